@@ -1,0 +1,391 @@
+"""Acceptance rules: which draft tokens survive verification (SPEC, "Rules").
+
+Pure numpy: no llama.cpp here. Every rule sees, for draft position i, the draft's processed row
+``draft_probs[i]`` (p_i), the target's processed row ``target_probs[i]`` (q_i) and the drafted token
+d_i ~ p_i, and stops at the first rejection. Rows may be dense float arrays or
+:class:`~cactus_edge.sampling.SparseProbs`; a point-mass draft (prompt lookup) is a one-entry
+sparse row or a one-hot dense row.
+
+Each rule is described by one per-position law — the probability ``a_n`` of accepting drafted token
+n, and the distribution ``r_n`` emitted on rejection — from which both :meth:`verify` and the exact
+oracle :func:`output_distribution` are built, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import ProbRows, SparseProbs, row_support, sample_index, sample_token
+
+__all__ = [
+    "AcceptanceRule",
+    "SpeculativeSampling",
+    "Cactus",
+    "TypicalAcceptance",
+    "ExactMatch",
+    "Verdict",
+    "output_distribution",
+    "output_kl",
+    "kl_divergence",
+    "make_rule",
+]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one block of k draft tokens.
+
+    n_accepted: length of the accepted draft prefix, 0..k.
+    next_token: the token emitted after that prefix (recovered on rejection, bonus otherwise).
+    acceptance_probs: the acceptance probability a_i at each position that was tried
+        (n_accepted + 1 entries on rejection, k when all were accepted).
+    """
+
+    n_accepted: int
+    next_token: int
+    acceptance_probs: tuple[float, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class _Dist:
+    """One distribution over the vocabulary: ``ids is None`` means dense over 0..V-1."""
+
+    ids: np.ndarray | None
+    probs: np.ndarray  # float64
+
+    @staticmethod
+    def of(row: ProbRows) -> _Dist:
+        if isinstance(row, SparseProbs):
+            ids, probs = row_support(row)
+            return _Dist(ids, probs)
+        return _Dist(None, np.asarray(row, dtype=np.float64))
+
+    def prob(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.probs[token])
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.probs[hit[0]]) if hit.size else 0.0
+
+    def sample(self, rng: np.random.Generator) -> int:
+        index = sample_index(self.probs, rng)
+        return index if self.ids is None else int(self.ids[index])
+
+
+def _aligned(a: _Dist, b: _Dist, vocab_size: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """Both distributions on one index set: the union of supports if both are sparse, else dense."""
+    if a.ids is not None and b.ids is not None:
+        ids = np.union1d(a.ids, b.ids)
+        return ids, _scatter(ids, a), _scatter(ids, b)
+    return None, _densify(a, vocab_size), _densify(b, vocab_size)
+
+
+def _scatter(ids: np.ndarray, dist: _Dist) -> np.ndarray:
+    out = np.zeros(len(ids), dtype=np.float64)
+    out[np.searchsorted(ids, dist.ids)] = dist.probs
+    return out
+
+
+def _densify(dist: _Dist, vocab_size: int) -> np.ndarray:
+    if dist.ids is None:
+        return dist.probs
+    out = np.zeros(vocab_size, dtype=np.float64)
+    out[dist.ids] = dist.probs
+    return out
+
+
+def _residual(target: _Dist, draft: _Dist, vocab_size: int) -> _Dist:
+    """normalize(max(0, target − draft)); falls back to ``target`` when that mass is zero (the two
+    agree on the support, so rejection can only come from rounding)."""
+    ids, target_on, draft_on = _aligned(target, draft, vocab_size)
+    excess = np.maximum(target_on - draft_on, 0.0)
+    total = excess.sum()
+    if total <= 1e-12:
+        return target
+    return _Dist(ids, excess / total)
+
+
+class AcceptanceRule:
+    """Interface shared by every rule. Subclasses describe one position through
+    :meth:`acceptance_prob` and :meth:`rejection_dist`; :meth:`verify` walks the block."""
+
+    name = "rule"
+    lossless = False
+
+    def acceptance_prob(self, token: int, draft: _Dist, target: _Dist) -> float:
+        raise NotImplementedError
+
+    def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
+        raise NotImplementedError
+
+    def judge(
+        self, token: int, draft: _Dist, target: _Dist, vocab_size: int, rng: np.random.Generator
+    ) -> tuple[bool, int, float]:
+        """Decide one position: (accepted, emitted token on rejection or -1, acceptance prob)."""
+        accept_prob = self.acceptance_prob(token, draft, target)
+        if rng.random() < accept_prob:
+            return True, -1, accept_prob
+        return False, self.rejection_dist(token, draft, target, vocab_size).sample(rng), accept_prob
+
+    def verify(
+        self,
+        draft_tokens: np.ndarray,
+        draft_probs: ProbRows,
+        target_probs: ProbRows,
+        rng: np.random.Generator,
+    ) -> Verdict:
+        """Verify a block of drafts.
+
+        draft_tokens: int array (k,), d_i drawn from draft_probs[i].
+        draft_probs: (k, V) dense or SparseProbs rows.
+        target_probs: (k+1, V) dense or SparseProbs rows; row k is the bonus position.
+        """
+        draft_tokens = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
+        draft_probs, target_probs = _as_rows(draft_probs), _as_rows(target_probs)
+        n_draft = len(draft_tokens)
+        vocab_size = _check_block(draft_tokens, draft_probs, target_probs)
+        accept_probs: list[float] = []
+        for position in range(n_draft):
+            token = int(draft_tokens[position])
+            draft = _Dist.of(draft_probs[position])
+            if draft.prob(token) <= 0.0:
+                raise ValueError(
+                    f"draft token {token} at position {position} has zero draft probability; "
+                    "draft tokens must be sampled from draft_probs"
+                )
+            target = _Dist.of(target_probs[position])
+            accepted, emitted, accept_prob = self.judge(token, draft, target, vocab_size, rng)
+            accept_probs.append(accept_prob)
+            if not accepted:
+                return Verdict(position, emitted, tuple(accept_probs))
+        bonus = sample_token(target_probs[n_draft], rng)
+        return Verdict(n_draft, bonus, tuple(accept_probs))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _as_rows(rows: ProbRows) -> ProbRows:
+    return rows if isinstance(rows, SparseProbs) else np.asarray(rows, dtype=np.float64)
+
+
+def _check_block(draft_tokens: np.ndarray, draft_probs: ProbRows, target_probs: ProbRows) -> int:
+    n_draft = len(draft_tokens)
+    if len(draft_probs) != n_draft:
+        raise ValueError(f"draft_probs must have k={n_draft} rows, got {len(draft_probs)}")
+    if len(target_probs) != n_draft + 1:
+        raise ValueError(f"target_probs must have k+1={n_draft + 1} rows, got {len(target_probs)}")
+    vocab_size = target_probs.shape[-1]
+    if n_draft and draft_probs.shape[-1] != vocab_size:
+        raise ValueError(
+            f"draft_probs and target_probs disagree on the vocabulary size: "
+            f"{draft_probs.shape[-1]} vs {vocab_size}"
+        )
+    if n_draft and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab_size):
+        raise ValueError(f"draft_tokens must be token ids in [0, {vocab_size})")
+    return vocab_size
+
+
+class SpeculativeSampling(AcceptanceRule):
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023)."""
+
+    name = "sps"
+    lossless = True
+
+    def modified_target(self, token: int, target: _Dist) -> _Dist:
+        """h in SPEC; for SpS it is the target row itself."""
+        return target
+
+    def modified_target_prob(self, token: int, target: _Dist) -> float:
+        """h(token) without building h: O(1) on a dense row."""
+        return target.prob(token)
+
+    def acceptance_prob(self, token: int, draft: _Dist, target: _Dist) -> float:
+        return min(1.0, self.modified_target_prob(token, target) / draft.prob(token))
+
+    def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
+        return _residual(self.modified_target(token, target), draft, vocab_size)
+
+
+class Cactus(SpeculativeSampling):
+    """Constrained acceptance speculative sampling (Hao & Mou, ICLR 2026).
+
+    Raises the drafted token's target mass by sqrt(2·delta·q(n)·(1−q(n))) (capped at 1) and scales
+    the rest of the target row down to match, then applies the SpS test against that h.
+    """
+
+    name = "cactus"
+    lossless = False
+
+    def __init__(self, delta: float) -> None:
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+            raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
+        if not math.isfinite(delta) or delta < 0:
+            raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
+        self.delta = float(delta)
+        self.lossless = self.delta == 0.0
+
+    def raised_prob(self, target_prob: float) -> float:
+        """h(n) from q(n)."""
+        bump = math.sqrt(2.0 * self.delta * target_prob * (1.0 - target_prob))
+        return min(target_prob + bump, 1.0)
+
+    def modified_target_prob(self, token: int, target: _Dist) -> float:
+        return self.raised_prob(target.prob(token))
+
+    def modified_target(self, token: int, target: _Dist) -> _Dist:
+        target_prob = target.prob(token)
+        if target_prob >= 1.0 or target_prob <= 0.0:
+            return target
+        raised = self.raised_prob(target_prob)
+        # (1 − h(n)) / (1 − q(n)) is exactly 1.0 when delta = 0, so h = q bit for bit.
+        probs = target.probs * ((1.0 - raised) / (1.0 - target_prob))
+        if target.ids is None:
+            probs[token] = raised
+        else:
+            probs[np.flatnonzero(target.ids == token)[0]] = raised
+        return _Dist(target.ids, probs)
+
+    def __repr__(self) -> str:
+        return f"Cactus(delta={self.delta!r})"
+
+
+class TypicalAcceptance(AcceptanceRule):
+    """Typical acceptance (Medusa; vLLM): accept d iff q(d) > min(threshold, alpha·exp(−H(q)));
+    on the first rejection emit argmax q. Ignores the draft distribution; lossy."""
+
+    name = "tas"
+
+    def __init__(self, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> None:
+        if not (0.0 <= posterior_threshold <= 1.0):
+            raise ValueError(f"posterior_threshold must be in [0, 1], got {posterior_threshold!r}")
+        if not (0.0 <= posterior_alpha <= 1.0):
+            raise ValueError(f"posterior_alpha must be in [0, 1], got {posterior_alpha!r}")
+        self.posterior_threshold = float(posterior_threshold)
+        self.posterior_alpha = float(posterior_alpha)
+
+    def threshold(self, target: _Dist) -> float:
+        probs = target.probs[target.probs > 0]
+        entropy = float(-(probs * np.log(probs)).sum())
+        return min(self.posterior_threshold, self.posterior_alpha * math.exp(-entropy))
+
+    def acceptance_prob(self, token: int, draft: _Dist, target: _Dist) -> float:
+        return 1.0 if target.prob(token) > self.threshold(target) else 0.0
+
+    def judge(self, token, draft, target, vocab_size, rng):
+        # Deterministic: no random draw, as in Medusa and vLLM.
+        if self.acceptance_prob(token, draft, target) == 1.0:
+            return True, -1, 1.0
+        return False, _argmax(target), 0.0
+
+    def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
+        return _Dist(np.array([_argmax(target)]), np.ones(1))
+
+    def __repr__(self) -> str:
+        return (
+            f"TypicalAcceptance(posterior_threshold={self.posterior_threshold!r}, "
+            f"posterior_alpha={self.posterior_alpha!r})"
+        )
+
+
+def _argmax(dist: _Dist) -> int:
+    index = int(np.argmax(dist.probs))
+    return index if dist.ids is None else int(dist.ids[index])
+
+
+class ExactMatch(AcceptanceRule):
+    """What llama.cpp, llama-cpp-python and mlx-lm do: sample y ~ q, keep d iff y == d, else emit y."""
+
+    name = "exact"
+    lossless = True
+
+    def acceptance_prob(self, token: int, draft: _Dist, target: _Dist) -> float:
+        return target.prob(token)
+
+    def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
+        # y ~ q conditioned on y != d.
+        ids, probs = (np.arange(vocab_size), target.probs) if target.ids is None else (
+            target.ids,
+            target.probs,
+        )
+        probs = np.where(ids == token, 0.0, probs)
+        total = probs.sum()
+        if total <= 0.0:
+            return target
+        return _Dist(None if target.ids is None else ids, probs / total)
+
+    def judge(self, token, draft, target, vocab_size, rng):
+        sampled = target.sample(rng)
+        accept_prob = target.prob(token)
+        return (True, -1, accept_prob) if sampled == token else (False, sampled, accept_prob)
+
+
+def make_rule(method: str, delta: float = 1.0) -> AcceptanceRule:
+    """The rule for a method name: ``cactus`` (with delta), ``sps``, ``tas`` or ``exact``."""
+    rules = {
+        "cactus": lambda: Cactus(delta),
+        "sps": SpeculativeSampling,
+        "tas": TypicalAcceptance,
+        "exact": ExactMatch,
+    }
+    if method not in rules:
+        raise ValueError(f"method must be one of {sorted(rules)}, got {method!r}")
+    return rules[method]()
+
+
+# --- the exact single-position oracle (SPEC) -------------------------------------------------
+
+
+def output_distribution(
+    rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows
+) -> ProbRows:
+    """Exact distribution of the token emitted at one position when d ~ draft_probs_row:
+
+        out(x) = Σ_n p(n) · [1{x = n} · a_n + (1 − a_n) · r_n(x)]
+
+    Costs O(|supp p| × |supp p ∪ supp q|) for sparse rows. Returns the same kind of row as the
+    inputs: dense (V,) if either input is dense, else a SparseProbs over the union of supports.
+    """
+    vocab_size = target_probs_row.shape[-1]
+    draft = _Dist.of(draft_probs_row)
+    target = _Dist.of(target_probs_row)
+    union_ids, _, _ = _aligned(target, draft, vocab_size)
+    out = np.zeros(vocab_size if union_ids is None else len(union_ids), dtype=np.float64)
+
+    def add(dist: _Dist, weight: float) -> None:
+        if union_ids is None:
+            out[:] += weight * _densify(dist, vocab_size)
+        else:
+            out[np.searchsorted(union_ids, dist.ids)] += weight * dist.probs
+
+    draft_ids = np.flatnonzero(draft.probs) if draft.ids is None else draft.ids
+    for token in draft_ids:
+        token = int(token)
+        draft_prob = draft.prob(token)
+        accept_prob = rule.acceptance_prob(token, draft, target)
+        add(_Dist(np.array([token]), np.ones(1)), draft_prob * accept_prob)
+        if accept_prob < 1.0:
+            add(rule.rejection_dist(token, draft, target, vocab_size), draft_prob * (1 - accept_prob))
+    if union_ids is None:
+        return out
+    return SparseProbs(union_ids, out, vocab_size)
+
+
+def kl_divergence(dist_a: ProbRows, dist_b: ProbRows) -> float:
+    """KL(a ‖ b) in nats for two rows (dense or sparse); inf if a has mass where b has none."""
+    vocab_size = dist_b.shape[-1]
+    _, a, b = _aligned(_Dist.of(dist_a), _Dist.of(dist_b), vocab_size)
+    mass = a > 0
+    if np.any(b[mass] <= 0):
+        return math.inf
+    return float(np.sum(a[mass] * np.log(a[mass] / b[mass])))
+
+
+def output_kl(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:
+    """KL(out ‖ target) for one position: the fidelity cost of the rule there (0 when lossless)."""
+    if rule.lossless:
+        return 0.0
+    return kl_divergence(output_distribution(rule, draft_probs_row, target_probs_row), target_probs_row)
+

@@ -1,0 +1,327 @@
+"""The only module that talks to llama.cpp: a thin typed layer over llama-cpp-python's low-level API.
+
+One :class:`LlamaModel` is one GGUF model with one context and one sequence. It tracks the tokens in
+its KV cache, decodes new tokens at the end of that sequence, returns logits only for the rows asked
+for (never n_ctx × n_vocab), and truncates the cache back to a prefix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+import llama_cpp
+
+from .errors import BackendError, ContextLengthError, UnsupportedModelError
+from .gguf_info import GGUFInfo, read_gguf
+
+logger = logging.getLogger("cactus_edge.llama")
+
+_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
+_verbose = False
+_last_level = logging.DEBUG
+_init_lock = threading.Lock()
+_initialised = False
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    # llama.cpp prints a lot while loading; keep it silent unless verbose (level 5 = continuation).
+    global _last_level
+    log_level = _LEVELS.get(level, _last_level)
+    _last_level = log_level
+    if _verbose:
+        os.write(2, text)
+    elif log_level >= logging.ERROR:
+        logger.debug(text.decode("utf-8", errors="replace").rstrip())
+
+
+def set_verbose(verbose: bool) -> None:
+    """Let llama.cpp's own log through to stderr (``--verbose``) or keep it silent."""
+    global _verbose
+    _verbose = verbose
+
+
+def _ensure_backend() -> None:
+    global _initialised
+    with _init_lock:
+        if not _initialised:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _initialised = True
+
+
+def physical_cores() -> int:
+    """Physical (not hyper-threaded) cores: llama.cpp decodes fastest with one thread per core."""
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    logical = logical or 1
+    try:
+        if platform.system() == "Darwin":
+            for key in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):
+                out = subprocess.run(["sysctl", "-n", key], capture_output=True, text=True)
+                if out.returncode == 0 and out.stdout.strip().isdigit():
+                    return max(1, int(out.stdout))
+        with open("/proc/cpuinfo") as handle:
+            cores, physical = set(), "0"
+            for line in handle:
+                if line.startswith("physical id"):
+                    physical = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    cores.add((physical, line.split(":")[1].strip()))
+        if cores:
+            return max(1, min(len(cores), logical))
+    except OSError:
+        pass
+    return logical
+
+
+class LlamaModel:
+    """One GGUF model, one llama.cpp context, one sequence (id 0).
+
+    ``tokens`` is what the KV cache holds, position by position; every decode appends to it and
+    :meth:`truncate` cuts it back.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        n_batch: int = 512,
+        info: GGUFInfo | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.info = info or read_gguf(self.path)  # typed errors for missing / non-GGUF / truncated
+        trained = self.info.context_length
+        if n_ctx <= 0:
+            n_ctx = trained or 4096
+        if trained and n_ctx > trained:
+            # Refused rather than warned: past its trained window a model degrades silently.
+            raise ContextLengthError(
+                f"n_ctx {n_ctx} exceeds {self.path.name}'s trained context of {trained} tokens; "
+                f"use --n-ctx {trained} or less"
+            )
+        _ensure_backend()
+        self._model = None
+        self._ctx = None
+        self._batch = None
+        model_params = llama_cpp.llama_model_default_params()
+        model_params.n_gpu_layers = n_gpu_layers
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
+        if not self._model:
+            raise BackendError(f"llama.cpp could not load {self.path} (run with --verbose for details)")
+        if llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model):
+            self.close()
+            raise UnsupportedModelError(
+                f"{self.path.name} has recurrent memory, which cannot be rolled back to a token "
+                "prefix; speculative decoding needs a transformer (KV-cache) model"
+            )
+        self.n_threads = n_threads or physical_cores()
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = n_ctx
+        ctx_params.n_batch = n_batch
+        ctx_params.n_ubatch = n_batch
+        ctx_params.n_threads = self.n_threads
+        ctx_params.n_threads_batch = self.n_threads
+        ctx_params.no_perf = True
+        self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
+        if not self._ctx:
+            self.close()
+            raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.tokens: list[int] = []
+        self._piece_buffer = ctypes.create_string_buffer(256)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LlamaModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: llama_cpp may already be gone
+            pass
+
+    # --- vocabulary ----------------------------------------------------------------------------
+
+    @property
+    def bos_token(self) -> int:
+        return llama_cpp.llama_vocab_bos(self._vocab)
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return llama_cpp.llama_vocab_eos(self._vocab)
+
+    @property
+    def eot_token(self) -> int:
+        return llama_cpp.llama_vocab_eot(self._vocab)
+
+    def is_end_of_generation(self, token: int) -> bool:
+        """EOS, EOT and every other end-of-generation token the GGUF declares."""
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def chat_template(self) -> str | None:
+        template = llama_cpp.llama_model_chat_template(self._model, None)
+        return template.decode("utf-8") if template else None
+
+    @property
+    def n_ctx_train(self) -> int:
+        return llama_cpp.llama_model_n_ctx_train(self._model)
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text → token ids. ``add_special`` adds BOS when the GGUF asks for it; ``parse_special``
+        turns control-token text (e.g. ``<|im_start|>``) into its token."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        buffer = (llama_cpp.llama_token * capacity)()
+        count = llama_cpp.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
+                                         add_special, parse_special)
+        if count < 0:  # buffer too small: llama.cpp says how many it needs
+            capacity = -count
+            buffer = (llama_cpp.llama_token * capacity)()
+            count = llama_cpp.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
+                                             add_special, parse_special)
+        if count < 0:
+            raise BackendError(f"tokenization failed for a text of {len(data)} bytes")
+        return list(buffer[:count])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character)."""
+        length = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buffer,
+                                                len(self._piece_buffer), 0, special)
+        if length < 0:
+            self._piece_buffer = ctypes.create_string_buffer(-length)
+            length = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buffer,
+                                                    len(self._piece_buffer), 0, special)
+        return self._piece_buffer.raw[:length]
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    # --- decoding ------------------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def decode(self, tokens: Sequence[int], output_rows: Sequence[int] = (-1,)) -> np.ndarray:
+        """Append ``tokens`` to the sequence and return logits for the requested rows.
+
+        output_rows: indices into ``tokens`` (negative counts from the end) whose logits are
+            wanted, in the order wanted; only those rows are computed and copied.
+        Returns float32 logits, shape (len(output_rows), V).
+        """
+        n_new = len(tokens)
+        if n_new == 0:
+            raise ValueError("decode needs at least one token")
+        if self.n_past + n_new > self.n_ctx:
+            raise ContextLengthError(
+                f"context full: {self.n_past} + {n_new} tokens exceed n_ctx {self.n_ctx}"
+            )
+        wanted = [row % n_new for row in output_rows]
+        logits = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
+        for start in range(0, n_new, self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            chunk_rows = {row - start: i for i, row in enumerate(wanted) if start <= row < start + len(chunk)}
+            self._decode_chunk(chunk, chunk_rows)
+            for batch_index, out_index in chunk_rows.items():
+                pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+                if not pointer:
+                    raise BackendError(f"llama.cpp returned no logits for batch row {batch_index}")
+                logits[out_index] = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+        return logits
+
+    def _decode_chunk(self, chunk: Sequence[int], output_rows: dict[int, int]) -> None:
+        batch = self._batch
+        position = self.n_past
+        batch.n_tokens = len(chunk)
+        for i, token in enumerate(chunk):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})")
+            batch.token[i] = token
+            batch.pos[i] = position + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1 if i in output_rows else 0
+        status = llama_cpp.llama_decode(self._ctx, batch)
+        if status != 0:
+            # On failure llama.cpp may keep some processed ubatches: cut back to what we know.
+            self._remove_from(position)
+            if status == 1:
+                raise ContextLengthError("no room left in the KV cache for this batch")
+            raise BackendError(f"llama_decode failed with status {status}")
+        self.tokens.extend(int(t) for t in chunk)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only the first ``n_tokens`` tokens of the cache (rollback after rejection)."""
+        if not 0 <= n_tokens <= self.n_past:
+            raise ValueError(f"cannot truncate to {n_tokens}: the cache holds {self.n_past} tokens")
+        if n_tokens < self.n_past:
+            self._remove_from(n_tokens)
+            del self.tokens[n_tokens:]
+
+    def _remove_from(self, position: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._memory, 0, position, -1):
+            raise BackendError(
+                f"llama.cpp could not remove cached positions {position}.. of {self.path.name}"
+            )
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._memory, True)
+        self.tokens.clear()
+
+
+class Detokenizer:
+    """Token ids → text, one token at a time, never emitting half a UTF-8 character: bytes of an
+    unfinished character wait for the next token (byte-fallback and BPE vocabularies split them)."""
+
+    def __init__(self, model: LlamaModel, *, special: bool = False) -> None:
+        import codecs
+
+        self._model = model
+        self._special = special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        return self._decoder.decode(self._model.token_bytes(token, special=self._special))
+
+    def flush(self) -> str:
+        """Whatever is pending (an unfinished character becomes U+FFFD)."""
+        return self._decoder.decode(b"", final=True)

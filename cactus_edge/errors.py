@@ -1,0 +1,67 @@
+"""Typed exceptions of the library. The CLI turns each into a one-line message and an exit code."""
+
+from __future__ import annotations
+
+
+class CactusEdgeError(Exception):
+    """Base class of every error cactus-edge raises on purpose."""
+
+    exit_code = 1
+
+
+class ModelNotFoundError(CactusEdgeError):
+    """A model path that does not exist."""
+
+    exit_code = 2
+
+
+class UnknownModelError(CactusEdgeError):
+    """A name that is neither a registered model or pair nor an existing file."""
+
+    exit_code = 2
+
+
+class ModelNotFetchedError(CactusEdgeError):
+    """A registered model whose file has not been fetched yet."""
+
+    exit_code = 2
+
+
+class InvalidModelFileError(CactusEdgeError):
+    """A file that is not a GGUF model, or a truncated or corrupt one."""
+
+    exit_code = 3
+
+
+class IncompatiblePairError(CactusEdgeError):
+    """Draft and target do not share a tokenizer, so draft tokens mean nothing to the target."""
+
+    exit_code = 3
+
+
+class UnsupportedModelError(CactusEdgeError):
+    """A model llama.cpp can load but speculative decoding cannot drive (e.g. recurrent memory)."""
+
+    exit_code = 3
+
+
+class ContextLengthError(CactusEdgeError):
+    """A prompt or a requested context that does not fit the model's context window."""
+
+    exit_code = 4
+
+
+class FetchError(CactusEdgeError):
+    """Downloading or assembling a model failed; nothing was left under the final name."""
+
+    exit_code = 5
+
+
+class IntegrityError(FetchError):
+    """An assembled or stored model does not match its registered size or sha256."""
+
+
+class BackendError(CactusEdgeError):
+    """llama.cpp refused an operation (load, decode, cache truncation)."""
+
+    exit_code = 6

@@ -1,0 +1,236 @@
+"""Logit processing shared by the draft and the target: temperature → top-k → top-p → min-p → softmax.
+
+The same function and the same settings must be applied to both models (SPEC, "processed"), so this
+module is the only place that turns logits into probabilities. It imports numpy only.
+
+Two representations of processed rows leave this module:
+- a dense ``np.ndarray`` of float64, shape (V,) or (n, V), when top-k is off;
+- a :class:`SparseProbs` holding only the surviving entries, when top-k is on or temperature is 0.
+Both are accepted everywhere a row of probabilities is expected (the acceptance rules, the oracle).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "SamplingConfig",
+    "SparseProbs",
+    "ProbRows",
+    "process_logits",
+    "sample_token",
+    "row_support",
+    "row_prob",
+    "to_dense",
+]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become a distribution. ``top_k = 0`` and ``top_p = 1`` and ``min_p = 0`` disable
+    those filters; ``temperature = 0`` means greedy (a one-hot argmax row)."""
+
+    temperature: float = 0.6
+    top_k: int = 20
+    top_p: float = 0.95
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {top_p!r}")
+    if not isinstance(min_p, (int, float)) or not (0.0 <= min_p < 1.0):
+        raise ValueError(f"min_p must be in [0, 1) (0 = disabled), got {min_p!r}")
+
+
+@dataclass(frozen=True)
+class SparseProbs:
+    """Probability rows stored by their support.
+
+    token_ids: int64, shape (m,) for one row or (n, m) for n rows; unique within a row.
+    probs: float64, same shape as token_ids; each row sums to 1; entries may be 0 (padding after
+        top-p / min-p), which are simply outside the support.
+    vocab_size: V, the size of the vocabulary the ids index into.
+    """
+
+    token_ids: np.ndarray
+    probs: np.ndarray
+    vocab_size: int
+
+    @property
+    def ndim(self) -> int:
+        return self.token_ids.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.token_ids.shape[:-1], self.vocab_size)
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    def __getitem__(self, index: int) -> SparseProbs:
+        if self.ndim != 2:
+            raise TypeError("a single SparseProbs row cannot be indexed by row")
+        return SparseProbs(self.token_ids[index], self.probs[index], self.vocab_size)
+
+    def to_dense(self) -> np.ndarray:
+        """The same rows as a dense float64 array, shape (V,) or (n, V)."""
+        dense = np.zeros(self.shape, dtype=np.float64)
+        np.put_along_axis(dense, self.token_ids, self.probs, axis=-1)
+        return dense
+
+
+ProbRows = np.ndarray | SparseProbs
+
+
+def to_dense(rows: ProbRows) -> np.ndarray:
+    return rows.to_dense() if isinstance(rows, SparseProbs) else np.asarray(rows, dtype=np.float64)
+
+
+def row_support(row: ProbRows) -> tuple[np.ndarray, np.ndarray]:
+    """(token_ids, probs) of the strictly positive entries of one row. O(V) for a dense row."""
+    if isinstance(row, SparseProbs):
+        keep = row.probs > 0
+        return row.token_ids[keep], row.probs[keep].astype(np.float64, copy=False)
+    ids = np.flatnonzero(row)
+    return ids, np.asarray(row[ids], dtype=np.float64)
+
+
+def row_prob(row: ProbRows, token: int) -> float:
+    """Probability of ``token`` in one row (0 when outside the support)."""
+    if isinstance(row, SparseProbs):
+        hit = np.flatnonzero(row.token_ids == token)
+        return float(row.probs[hit[0]]) if hit.size else 0.0
+    return float(row[token])
+
+
+def sample_token(row: ProbRows, rng: np.random.Generator) -> int:
+    """Draw one token id from one row with a single uniform draw from ``rng``."""
+    ids, probs = row_support(row)
+    return int(ids[sample_index(probs, rng)])
+
+
+def sample_index(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """Index drawn with probability proportional to ``weights`` (non-negative, positive sum)."""
+    cumulative = np.cumsum(weights, dtype=np.float64)
+    u = rng.random() * cumulative[-1]
+    index = int(np.searchsorted(cumulative, u, side="right"))
+    if index >= len(weights):  # u rounded up to the total: take the last positive entry
+        index = int(np.flatnonzero(weights > 0)[-1])
+    return index
+
+
+def process_logits(logits: np.ndarray, config: SamplingConfig) -> ProbRows:
+    """Turn logits into the processed distribution shared by draft and target.
+
+    logits: float array, shape (V,) or (n, V).
+    Returns SparseProbs (top-k on, or greedy) or a dense float64 array of the input's shape.
+    """
+    logits = np.asarray(logits)
+    if logits.ndim not in (1, 2):
+        raise ValueError(f"logits must have shape (V,) or (n, V), got {logits.shape}")
+    single = logits.ndim == 1
+    rows = logits[None, :] if single else logits
+    vocab_size = rows.shape[1]
+    if config.greedy:
+        ids = np.argmax(rows, axis=-1)[:, None].astype(np.int64)
+        result: ProbRows = SparseProbs(ids, np.ones(ids.shape, dtype=np.float64), vocab_size)
+    elif 0 < config.top_k < vocab_size:
+        result = _process_top_k(rows, config)
+    else:
+        result = _process_dense(rows, config)
+    if single:
+        return result[0]
+    return result
+
+
+def _process_top_k(rows: np.ndarray, config: SamplingConfig) -> SparseProbs:
+    """Sparse path: only the top-k logits of each row are ever exponentiated."""
+    n_keep = config.top_k
+    ids = np.stack([_top_k_ids(row, n_keep) for row in rows])
+    values = np.take_along_axis(rows, ids, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    ids = np.take_along_axis(ids, order, axis=-1).astype(np.int64)
+    values = np.take_along_axis(values, order, axis=-1).astype(np.float64)
+    probs = _softmax(values / config.temperature)
+    probs = _apply_top_p_sorted(probs, config.top_p)
+    probs = _apply_min_p(probs, config.min_p)
+    return SparseProbs(ids, probs, rows.shape[1])
+
+
+def _top_k_ids(row: np.ndarray, n_keep: int) -> np.ndarray:
+    """Ids of the n_keep largest entries of one row (V,), in no particular order.
+
+    A strided subsample's n_keep-th largest value is a lower bound on the row's, so only entries at
+    or above it can be in the top k: a ~60× smaller argpartition, and exact.
+    """
+    stride = len(row) // (n_keep * 64)
+    if stride < 2:
+        return np.argpartition(row, -n_keep)[-n_keep:]
+    bound = np.partition(row[::stride], -n_keep)[-n_keep]
+    candidates = np.flatnonzero(row >= bound)
+    return candidates[np.argpartition(row[candidates], -n_keep)[-n_keep:]]
+
+
+def _process_dense(rows: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    probs = _softmax(rows.astype(np.float64) / config.temperature)
+    if config.top_p < 1.0:
+        probs = np.stack([_apply_top_p_dense(row, config.top_p) for row in probs])
+    return _apply_min_p(probs, config.min_p)
+
+
+def _softmax(scaled: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _apply_top_p_sorted(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest prefix of each descending row whose mass reaches top_p (at least one)."""
+    if top_p >= 1.0:
+        return probs
+    mass_before = np.cumsum(probs, axis=-1) - probs
+    kept = np.where(mass_before < top_p, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)
+
+
+def _apply_top_p_dense(row: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p on one dense row without sorting V entries: grow a candidate set by argpartition
+    until it holds top_p of the mass, then sort only the candidates."""
+    n_candidates = min(64, row.size)
+    while True:
+        candidates = np.argpartition(row, -n_candidates)[-n_candidates:]
+        if row[candidates].sum() >= top_p or n_candidates == row.size:
+            break
+        n_candidates = min(n_candidates * 4, row.size)
+    order = candidates[np.argsort(-row[candidates], kind="stable")]
+    sorted_probs = row[order]
+    mass_before = np.cumsum(sorted_probs) - sorted_probs
+    kept_ids = order[mass_before < top_p]
+    out = np.zeros_like(row)
+    out[kept_ids] = row[kept_ids]
+    return out / out.sum()
+
+
+def _apply_min_p(probs: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop entries below min_p × the row's largest probability (scale-free, so the order with
+    respect to renormalisation does not matter)."""
+    if min_p <= 0.0:
+        return probs
+    threshold = min_p * probs.max(axis=-1, keepdims=True)
+    kept = np.where(probs >= threshold, probs, 0.0)
+    return kept / kept.sum(axis=-1, keepdims=True)

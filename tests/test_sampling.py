@@ -1,0 +1,116 @@
+"""Logit processing: each filter against a plain sort-based reference, both storage paths."""
+
+import numpy as np
+import pytest
+
+from cactus_edge.sampling import (
+    SamplingConfig,
+    SparseProbs,
+    process_logits,
+    row_prob,
+    sample_token,
+    to_dense,
+)
+
+
+def reference_process(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """Straightforward full-sort implementation of temperature → top-k → top-p → min-p → softmax."""
+    logits = np.asarray(logits, dtype=np.float64)
+    out = np.zeros_like(logits)
+    if config.temperature == 0:
+        out[np.argmax(logits)] = 1.0
+        return out
+    order = np.argsort(-logits, kind="stable")
+    if config.top_k:
+        order = order[: config.top_k]
+    scaled = logits[order] / config.temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    keep = np.ones(len(order), dtype=bool)
+    if config.top_p < 1:
+        cumulative = np.cumsum(probs)
+        n_keep = int(np.searchsorted(cumulative, config.top_p) + 1)
+        keep[n_keep:] = False
+    keep &= probs >= config.min_p * probs.max()
+    probs = np.where(keep, probs, 0.0)
+    out[order] = probs / probs.sum()
+    return out
+
+
+CONFIGS = [
+    SamplingConfig(temperature=0.6, top_k=20, top_p=0.95, min_p=0.0),
+    SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    SamplingConfig(temperature=0.7, top_k=0, top_p=0.9, min_p=0.0),
+    SamplingConfig(temperature=1.3, top_k=50, top_p=1.0, min_p=0.05),
+    SamplingConfig(temperature=0.8, top_k=0, top_p=0.8, min_p=0.1),
+    SamplingConfig(temperature=0.0, top_k=20, top_p=0.95, min_p=0.0),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=repr)
+@pytest.mark.parametrize("vocab_size", [300, 151_936])
+def test_matches_reference(config, vocab_size):
+    rng = np.random.default_rng(vocab_size)
+    logits = (rng.standard_normal((3, vocab_size)) * 4).astype(np.float32)
+    processed = process_logits(logits, config)
+    dense = to_dense(processed)
+    assert dense.shape == (3, vocab_size)
+    for row_logits, row in zip(logits, dense, strict=True):
+        np.testing.assert_allclose(row, reference_process(row_logits, config), atol=1e-12)
+        assert abs(row.sum() - 1) < 1e-9
+    if config.top_k or config.temperature == 0:
+        assert isinstance(processed, SparseProbs)
+
+
+def test_single_row_keeps_its_shape():
+    logits = np.linspace(-3, 3, 100).astype(np.float32)
+    sparse = process_logits(logits, SamplingConfig(top_k=10))
+    assert isinstance(sparse, SparseProbs) and sparse.shape == (100,)
+    dense = process_logits(logits, SamplingConfig(top_k=0, top_p=1.0))
+    assert dense.shape == (100,)
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = np.array([[0.1, 3.0, 2.9], [5.0, -1.0, 4.0]], dtype=np.float32)
+    dense = to_dense(process_logits(logits, SamplingConfig(temperature=0)))
+    np.testing.assert_array_equal(dense, [[0, 1, 0], [1, 0, 0]])
+
+
+def test_top_k_with_peaked_and_tied_logits_is_exact():
+    # The subsample bound in the sparse path must hold for adversarial rows too.
+    vocab_size = 151_936
+    peaked = np.full(vocab_size, -10.0, dtype=np.float32)
+    peaked[[5, 77_000, 151_935]] = [9.0, 8.0, 7.0]
+    tied = np.zeros(vocab_size, dtype=np.float32)
+    tied[-30:] = 1.0
+    for logits in (peaked, tied):
+        probs = process_logits(logits, SamplingConfig(temperature=1.0, top_k=20, top_p=1.0))
+        expected = np.sort(logits)[-20:]
+        np.testing.assert_array_equal(np.sort(logits[probs.token_ids]), expected)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+    ],
+)
+def test_invalid_settings_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingConfig(**kwargs)
+
+
+def test_sample_token_follows_the_row():
+    rng = np.random.default_rng(0)
+    probs = process_logits(np.log(np.array([0.5, 0.3, 0.2, 1e-9])), SamplingConfig(1.0, 3, 1.0))
+    counts = np.bincount([sample_token(probs, rng) for _ in range(20_000)], minlength=4)
+    np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.3, 0.2, 0], atol=0.015)
+    assert row_prob(probs, 3) == 0.0
