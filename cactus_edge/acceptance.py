@@ -306,9 +306,13 @@ class ExactMatch(AcceptanceRule):
 
     def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
         # y ~ q conditioned on y != d.
-        ids, probs = (np.arange(vocab_size), target.probs) if target.ids is None else (
-            target.ids,
-            target.probs,
+        ids, probs = (
+            (np.arange(vocab_size), target.probs)
+            if target.ids is None
+            else (
+                target.ids,
+                target.probs,
+            )
         )
         probs = np.where(ids == token, 0.0, probs)
         total = probs.sum()
@@ -388,4 +392,3 @@ def output_kl(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row:
     if rule.lossless:
         return 0.0
     return kl_divergence(output_distribution(rule, draft_probs_row, target_probs_row), target_probs_row)
-

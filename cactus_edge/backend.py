@@ -7,6 +7,7 @@ for (never n_ctx × n_vocab), and truncates the cache back to a prefix.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -16,9 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp
+import numpy as np
 
 from .errors import BackendError, ContextLengthError, UnsupportedModelError
 from .gguf_info import GGUFInfo, read_gguf
@@ -167,10 +167,8 @@ class LlamaModel:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may be gone
             self.close()
-        except Exception:  # interpreter shutdown: llama_cpp may already be gone
-            pass
 
     # --- vocabulary ----------------------------------------------------------------------------
 
@@ -209,25 +207,29 @@ class LlamaModel:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         buffer = (llama_cpp.llama_token * capacity)()
-        count = llama_cpp.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
-                                         add_special, parse_special)
+        count = llama_cpp.llama_tokenize(
+            self._vocab, data, len(data), buffer, capacity, add_special, parse_special
+        )
         if count < 0:  # buffer too small: llama.cpp says how many it needs
             capacity = -count
             buffer = (llama_cpp.llama_token * capacity)()
-            count = llama_cpp.llama_tokenize(self._vocab, data, len(data), buffer, capacity,
-                                             add_special, parse_special)
+            count = llama_cpp.llama_tokenize(
+                self._vocab, data, len(data), buffer, capacity, add_special, parse_special
+            )
         if count < 0:
             raise BackendError(f"tokenization failed for a text of {len(data)} bytes")
         return list(buffer[:count])
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
-        length = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buffer,
-                                                len(self._piece_buffer), 0, special)
+        length = llama_cpp.llama_token_to_piece(
+            self._vocab, token, self._piece_buffer, len(self._piece_buffer), 0, special
+        )
         if length < 0:
             self._piece_buffer = ctypes.create_string_buffer(-length)
-            length = llama_cpp.llama_token_to_piece(self._vocab, token, self._piece_buffer,
-                                                    len(self._piece_buffer), 0, special)
+            length = llama_cpp.llama_token_to_piece(
+                self._vocab, token, self._piece_buffer, len(self._piece_buffer), 0, special
+            )
         return self._piece_buffer.raw[:length]
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
@@ -258,7 +260,7 @@ class LlamaModel:
         wanted = [row % n_new for row in output_rows]
         logits = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
         for start in range(0, n_new, self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
+            chunk = tokens[start : start + self.n_batch]
             chunk_rows = {row - start: i for i, row in enumerate(wanted) if start <= row < start + len(chunk)}
             self._decode_chunk(chunk, chunk_rows)
             for batch_index, out_index in chunk_rows.items():

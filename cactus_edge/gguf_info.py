@@ -25,7 +25,17 @@ VOCAB_SIZE_TOLERANCE = 128
 FIRST_COMPARED_TOKEN_ID = 5
 
 _SCALARS = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
 }
 _STRING, _ARRAY = 8, 9
 _SKIPPED_ARRAYS = {"tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"}
@@ -100,7 +110,7 @@ class _Cursor:
         end = self.offset + length
         if end > len(self.buffer):
             raise InvalidModelFileError(f"{self.path}: truncated GGUF header (ends inside a string)")
-        text = bytes(self.buffer[self.offset:end]).decode("utf-8", errors="replace")
+        text = bytes(self.buffer[self.offset : end]).decode("utf-8", errors="replace")
         self.offset = end
         return text
 
@@ -203,12 +213,16 @@ def check_pair_compatible(draft: GGUFInfo, target: GGUFInfo) -> None:
             f"({draft.vocab_size} vs {target.vocab_size})"
         )
     for special in ("bos", "eos"):
-        adds = (draft.get(f"tokenizer.ggml.add_{special}_token"),
-                target.get(f"tokenizer.ggml.add_{special}_token"))
+        adds = (
+            draft.get(f"tokenizer.ggml.add_{special}_token"),
+            target.get(f"tokenizer.ggml.add_{special}_token"),
+        )
         if adds[0] != adds[1]:
             raise IncompatiblePairError(f"{names}: one adds a {special.upper()} token, the other not")
-        ids = (draft.get(f"tokenizer.ggml.{special}_token_id"),
-               target.get(f"tokenizer.ggml.{special}_token_id"))
+        ids = (
+            draft.get(f"tokenizer.ggml.{special}_token_id"),
+            target.get(f"tokenizer.ggml.{special}_token_id"),
+        )
         if adds[0] and ids[0] != ids[1]:
             raise IncompatiblePairError(f"{names}: {special.upper()} ids differ ({ids[0]} vs {ids[1]})")
     assert draft.tokens is not None and target.tokens is not None, "read with tokens=True"

@@ -89,9 +89,7 @@ class Registry:
             return specs if specs[0] != specs[1] else specs[:1]
         if name in self.models:
             return [self.models[name]]
-        raise UnknownModelError(
-            _unknown_message("model or pair", name, [*self.pairs, *self.models])
-        )
+        raise UnknownModelError(_unknown_message("model or pair", name, [*self.pairs, *self.models]))
 
 
 def _unknown_message(kind: str, name: str, known: list[str]) -> str:

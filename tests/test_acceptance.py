@@ -14,11 +14,11 @@ from scipy import stats
 
 from cactus_edge.acceptance import (
     Cactus,
-    _Dist,
-    _residual,
     ExactMatch,
     SpeculativeSampling,
     TypicalAcceptance,
+    _Dist,
+    _residual,
     kl_divergence,
     make_rule,
     output_distribution,
@@ -200,8 +200,12 @@ def test_acceptance_is_non_decreasing_in_delta():
     for _ in range(200):
         draft_row, target_row = random_pair(rng, vocab_size=10)
         acceptance = [
-            float(sum(draft_row[n] * min(1.0, Cactus(delta).raised_prob(target_row[n]) / draft_row[n])
-                      for n in range(10)))
+            float(
+                sum(
+                    draft_row[n] * min(1.0, Cactus(delta).raised_prob(target_row[n]) / draft_row[n])
+                    for n in range(10)
+                )
+            )
             for delta in deltas
         ]
         assert all(b >= a - 1e-12 for a, b in zip(acceptance, acceptance[1:], strict=False))
@@ -260,8 +264,11 @@ def test_greedy_rows_reduce_every_rule_to_exact_match(rule):
     vocab_size, n_draft = 7, 5
     for _ in range(100):
         draft_tokens = rng.integers(vocab_size, size=n_draft)
-        target_argmax = np.where(rng.random(n_draft + 1) < 0.7, np.append(draft_tokens, 0),
-                                 rng.integers(vocab_size, size=n_draft + 1))
+        target_argmax = np.where(
+            rng.random(n_draft + 1) < 0.7,
+            np.append(draft_tokens, 0),
+            rng.integers(vocab_size, size=n_draft + 1),
+        )
         draft_probs = np.eye(vocab_size)[draft_tokens]
         target_probs = np.eye(vocab_size)[target_argmax]
         verdict = rule.verify(draft_tokens, draft_probs, target_probs, rng)
@@ -301,8 +308,9 @@ def test_zero_probability_draft_token_is_refused():
 
 def test_shape_errors_are_clear():
     with pytest.raises(ValueError, match="k\\+1"):
-        SpeculativeSampling().verify(np.array([0]), np.ones((1, 3)) / 3, np.ones((1, 3)) / 3,
-                                     np.random.default_rng())
+        SpeculativeSampling().verify(
+            np.array([0]), np.ones((1, 3)) / 3, np.ones((1, 3)) / 3, np.random.default_rng()
+        )
     with pytest.raises(ValueError, match="method"):
         make_rule("medusa")
 

@@ -15,7 +15,7 @@ CHATML_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-BASE_WORDS = (
+_WORDS_TEXT = (
     "the of and to a in is it you that he was for on are with as I his they be at one have this "
     "from or had by hot word but what some we can out other were all there when up use your how "
     "said an each she which do their time if will way about many then them write would like so "
@@ -23,14 +23,14 @@ BASE_WORDS = (
     "most people my over know water than call first who may down side been now find def return "
     "print import class self if else for while in range list dict None True False = ( ) : , . "
     "hello world code python sort quick fast speculative draft target token cactus edge"
-).split()
+)
+BASE_WORDS = tuple(_WORDS_TEXT.split())
 
 
 def spm_vocab(words=BASE_WORDS) -> tuple[list[str], list[float], list[int]]:
     """Control tokens, 256 byte-fallback tokens, then characters and whole words with ▁."""
     tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL,
-             TokenType.CONTROL]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [TokenType.BYTE] * 256
     pieces: list[str] = []

