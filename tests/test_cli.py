@@ -1,0 +1,112 @@
+"""The command line: exact output shapes, one-line errors and exit codes."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cactus_edge.cli import main
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def pair_args(tiny_pair):
+    return ["--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]), "--n-ctx", "256"]
+
+
+def test_generate_streams_text_and_summarises_on_stderr(runner, tiny_pair):
+    args = ["generate", "the water is", *pair_args(tiny_pair), "--raw", "--temperature", "0"]
+    result = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "sps"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip()
+    assert result.stderr.startswith("[sps] 12 tokens, ")
+    assert "tokens/verifier call" in result.stderr and "finish: length" in result.stderr
+    plain = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "none"])
+    assert plain.stdout == result.stdout  # greedy: speculation changes speed, not text
+
+
+def test_generate_json_schema(runner, tiny_pair):
+    result = runner.invoke(main, ["generate", "hello", *pair_args(tiny_pair), "--json", "--max-tokens", "9"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in (
+        "text",
+        "method",
+        "finish_reason",
+        "n_tokens",
+        "n_verifier_calls",
+        "acceptance_length",
+        "tokens_per_second",
+        "draft_ms",
+        "verify_ms",
+        "overhead_ms",
+        "kl_mean",
+    ):
+        assert key in data
+    assert data["method"] == "cactus" and data["n_tokens"] == 9 and data["finish_reason"] == "length"
+    assert result.stderr == ""
+
+
+def test_prompt_from_stdin(runner, tiny_pair):
+    args = ["generate", "-", *pair_args(tiny_pair), "--raw", "--temperature", "0", "--max-tokens", "5"]
+    from_stdin = runner.invoke(main, args, input="the code is")
+    inline = runner.invoke(main, [*args[:1], "the code is", *args[2:]])
+    assert from_stdin.exit_code == 0 and from_stdin.stdout == inline.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "code", "message"),
+    [
+        (["--top-p", "1.5"], 2, "error: top_p must be in (0, 1]"),
+        (["--delta", "-1"], 2, "error: delta must be a finite number >= 0"),
+        (["--n-ctx", "99999"], 4, "error: n_ctx 99999 exceeds"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(runner, tiny_pair, extra, code, message):
+    args = ["generate", "hi", "--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]), *extra]
+    result = runner.invoke(main, args)
+    assert result.exit_code == code
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+
+
+def test_missing_and_mismatched_models(runner, tmp_path, tiny_pair, tiny_mismatch):
+    result = runner.invoke(
+        main, ["generate", "hi", "--draft", str(tmp_path / "x.gguf"), "--target", str(tiny_pair[1])]
+    )
+    assert result.exit_code == 2 and result.stderr.startswith("error: model file not found")
+    result = runner.invoke(
+        main,
+        ["generate", "hi", "--draft", str(tiny_pair[0]), "--target", str(tiny_mismatch), "--n-ctx", "128"],
+    )
+    assert result.exit_code == 3 and "differs: draft" in result.stderr
+    long_prompt = "hello " * 400
+    result = runner.invoke(main, ["generate", long_prompt, *pair_args(tiny_pair), "--raw"])
+    assert result.exit_code == 4 and result.stderr.startswith("error: the prompt has")
+
+
+def test_models_inspect_prints_metadata(runner, tiny_pair):
+    result = runner.invoke(main, ["models", "inspect", str(tiny_pair[0])])
+    assert result.exit_code == 0
+    lines = dict(line.split(None, 1) if " " in line else (line, "") for line in result.stdout.splitlines())
+    assert lines["architecture"].strip() == "llama"
+    assert "tokens" in result.stdout and "chat template   yes" in result.stdout
+    junk = tiny_pair[0].parent / "junk.gguf"
+    junk.write_text("nope")
+    bad = runner.invoke(main, ["models", "inspect", str(junk)])
+    assert bad.exit_code == 3 and bad.stderr == f"error: {junk}: not a GGUF file (bad magic bytes)\n"
+
+
+def test_unknown_model_name(runner):
+    result = runner.invoke(main, ["models", "fetch", "qwen-9000"])
+    assert result.exit_code == 2 and result.stderr.startswith("error: unknown model or pair 'qwen-9000'")
+
+
+def test_models_list_shows_pairs(runner, monkeypatch, tmp_path):
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path))
+    result = runner.invoke(main, ["models", "list"])
+    assert result.exit_code == 0
+    assert f"models directory: {tmp_path}" in result.stdout
+    assert "default            qwen2.5-coder-0.5b-instruct -> qwen2.5-coder-1.5b-instruct" in result.stdout
