@@ -101,7 +101,9 @@ def main() -> None:
             f"{entry['verify_ms_per_step']:.0f} | {entry['overhead_ms_per_step']:.1f} | {kl} |"
         )
     # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024**2 if sys.platform == "darwin" else 1024)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+        1024**2 if sys.platform == "darwin" else 1024
+    )
     print(f"\npeak RSS: {peak_rss_mb:.0f} MB (n_ctx {args.n_ctx})")
     if args.out:
         with open(args.out, "w") as handle:
