@@ -139,8 +139,8 @@ class AcceptanceRule:
         """Verify a block of drafts.
 
         draft_tokens: int array (k,), d_i drawn from draft_probs[i].
-        draft_probs: (k, V) dense or SparseProbs rows.
-        target_probs: (k+1, V) dense or SparseProbs rows; row k is the bonus position.
+        draft_probs: (k, V) dense or SparseProbs rows, or a list of k single rows.
+        target_probs: (k+1, V) dense or SparseProbs rows (or a list); row k is the bonus position.
         """
         draft_tokens = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
         draft_probs, target_probs = _as_rows(draft_probs), _as_rows(target_probs)
@@ -167,8 +167,15 @@ class AcceptanceRule:
         return f"{type(self).__name__}()"
 
 
-def _as_rows(rows: ProbRows) -> ProbRows:
-    return rows if isinstance(rows, SparseProbs) else np.asarray(rows, dtype=np.float64)
+def _as_rows(rows: ProbRows | list) -> ProbRows | list:
+    """Rows as given: an (n, V) array, a SparseProbs, or a list of single rows (no stacking copy)."""
+    if isinstance(rows, (SparseProbs, list)):
+        return rows
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _vocab_size(rows) -> int:
+    return (rows[0] if isinstance(rows, list) else rows).shape[-1]
 
 
 def _check_block(draft_tokens: np.ndarray, draft_probs: ProbRows, target_probs: ProbRows) -> int:
@@ -177,11 +184,11 @@ def _check_block(draft_tokens: np.ndarray, draft_probs: ProbRows, target_probs: 
         raise ValueError(f"draft_probs must have k={n_draft} rows, got {len(draft_probs)}")
     if len(target_probs) != n_draft + 1:
         raise ValueError(f"target_probs must have k+1={n_draft + 1} rows, got {len(target_probs)}")
-    vocab_size = target_probs.shape[-1]
-    if n_draft and draft_probs.shape[-1] != vocab_size:
+    vocab_size = _vocab_size(target_probs)
+    if n_draft and _vocab_size(draft_probs) != vocab_size:
         raise ValueError(
             f"draft_probs and target_probs disagree on the vocabulary size: "
-            f"{draft_probs.shape[-1]} vs {vocab_size}"
+            f"{_vocab_size(draft_probs)} vs {vocab_size}"
         )
     if n_draft and (draft_tokens.min() < 0 or draft_tokens.max() >= vocab_size):
         raise ValueError(f"draft_tokens must be token ids in [0, {vocab_size})")

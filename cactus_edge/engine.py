@@ -21,7 +21,7 @@ from .backend import Detokenizer, LlamaModel, set_verbose
 from .chat import render_chat
 from .errors import ContextLengthError
 from .gguf_info import check_pair_compatible, read_gguf
-from .sampling import SamplingConfig, SparseProbs, process_logits, sample_token, stack_rows
+from .sampling import SamplingConfig, SparseProbs, process_logits, sample_token
 
 METHODS = ("cactus", "sps", "tas", "exact", "none")
 FINISH_REASONS = ("stop", "length", "cancelled")
@@ -462,8 +462,7 @@ class _Generation:
             emitted = [sample_token(target_rows[0], self.rng)]
             n_accepted, n_decided = 0, 0
         else:
-            draft_probs = stack_rows(draft_rows)
-            verdict = self.rule.verify(np.array(draft_tokens), draft_probs, target_rows, self.rng)
+            verdict = self.rule.verify(np.array(draft_tokens), draft_rows, target_rows, self.rng)
             n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
             emitted = [*draft_tokens[:n_accepted], verdict.next_token]
             kl = self.fidelity(draft_rows, target_rows, n_decided)

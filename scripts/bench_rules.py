@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from cactus_edge.acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance
-from cactus_edge.sampling import SamplingConfig, process_logits, sample_token, stack_rows
+from cactus_edge.sampling import SamplingConfig, process_logits, sample_token
 
 VOCAB = 151_936
 
@@ -38,7 +38,7 @@ def time_step(rule, config, k, repeats, rng):
         draft_rows = [process_logits(row, config) for row in draft_logits]
         tokens = np.array([sample_token(row, rng) for row in draft_rows])
         target_rows = process_logits(target_logits, config)
-        rule.verify(tokens, stack_rows(draft_rows), target_rows, rng)
+        rule.verify(tokens, draft_rows, target_rows, rng)  # as the engine: no stacking copy
         times.append(time.perf_counter() - start)
     return 1000 * float(np.median(times))
 
