@@ -153,6 +153,18 @@ def model_options(command):
     return command
 
 
+class DraftLength(click.ParamType):
+    name = "INTEGER|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither an integer nor 'auto'", param, ctx)
+
+
 def sampling_options(command):
     """Decoding flags shared by `generate` and `chat`; defaults are the paper's settings."""
     options = [
@@ -164,7 +176,26 @@ def sampling_options(command):
             help="Acceptance rule (none = target only).",
         ),
         click.option("--delta", type=float, default=1.0, show_default=True, help="Cactus KL budget."),
-        click.option("--n-draft", type=int, default=4, show_default=True, help="Draft tokens per step."),
+        click.option(
+            "--n-draft",
+            type=DraftLength(),
+            default="auto",
+            show_default=True,
+            help="Draft tokens per step, or 'auto' (chosen per step from measured costs).",
+        ),
+        click.option(
+            "--drafter",
+            type=click.Choice(["model", "lookup", "model+lookup"]),
+            default="model",
+            show_default=True,
+            help="Who proposes: the draft model, prompt n-gram lookup, or lookup falling back to the model.",
+        ),
+        click.option(
+            "--draft-p-min",
+            type=float,
+            default=None,
+            help="Stop drafting when the draft's p(token) falls below this (default 0.2 with auto, else 0).",
+        ),
         click.option("--temperature", type=float, default=0.6, show_default=True),
         click.option("--top-k", type=int, default=20, show_default=True, help="0 disables."),
         click.option("--top-p", type=float, default=0.95, show_default=True, help="1 disables."),
@@ -177,7 +208,7 @@ def sampling_options(command):
     return command
 
 
-def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method="cactus"):
+def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method="cactus", drafter="model"):
     from .engine import Engine
     from .registry import load_registry
 
@@ -186,8 +217,8 @@ def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, meth
     if not target:
         chosen = load_registry().pair(pair or "default")
         draft, target = draft or chosen.draft, chosen.target
-    if method == "none":
-        draft = None  # plain decoding never loads the draft
+    if method == "none" or drafter == "lookup":
+        draft = None  # plain decoding and prompt lookup never use the draft model
     elif not draft:
         raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
     return Engine(draft, target, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
@@ -209,6 +240,8 @@ def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, meth
 @handle_errors
 def generate(
     prompt,
+    drafter,
+    draft_p_min,
     pair,
     draft,
     target,
@@ -241,6 +274,8 @@ def generate(
         method=method,
         delta=delta,
         n_draft=n_draft,
+        drafter=drafter,
+        draft_p_min=draft_p_min,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -249,7 +284,7 @@ def generate(
         seed=seed,
         stop=tuple(stop),
     )
-    with load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method) as engine:
+    with load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method, drafter) as engine:
         if chat:
             messages = [{"role": "system", "content": system}] if system else []
             events = engine.stream_chat([*messages, {"role": "user", "content": prompt}], config)
@@ -288,6 +323,7 @@ def json_stats(stats) -> dict:
         "kl_mean",
         "accepted_by_position",
         "tried_by_position",
+        "draft_length_histogram",
     )
     return {"n_tokens": stats.n_tokens, **{key: summary[key] for key in keys}}
 
@@ -297,7 +333,8 @@ def summary_line(stats) -> str:
     return (
         f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
         f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
-        f"{stats.n_verifier_calls} verifier calls{kl}, finish: {stats.finish_reason}"
+        f"{stats.n_verifier_calls} verifier calls{kl}, draft lengths {stats.draft_length_histogram}, "
+        f"finish: {stats.finish_reason}"
     )
 
 

@@ -17,13 +17,19 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import AcceptanceRule, make_rule, output_kl
+from .adaptive import AcceptanceTracker, CostModel, choose_draft_length
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .chat import render_chat
 from .errors import ContextLengthError
 from .gguf_info import check_pair_compatible, read_gguf
-from .sampling import SamplingConfig, SparseProbs, process_logits, sample_token
+from .lookup import lookup_continuation, point_mass_rows
+from .sampling import SamplingConfig, SparseProbs, process_logits, row_prob, sample_token
 
 METHODS = ("cactus", "sps", "tas", "exact", "none")
+DRAFTERS = ("model", "lookup", "model+lookup")
+MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
+AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
+PROBE_EVERY = 16  # with `auto`, every this many steps try one token more than the policy says
 FINISH_REASONS = ("stop", "length", "cancelled")
 
 
@@ -33,7 +39,9 @@ class GenerationConfig:
 
     method: str = "cactus"
     delta: float = 1.0
-    n_draft: int = 4
+    n_draft: int | str = "auto"  # a fixed block length, or "auto": chosen per step from costs
+    drafter: str = "model"  # "model", "lookup" (prompt n-grams) or "model+lookup"
+    draft_p_min: float | None = None  # stop drafting below this draft p(d); None: 0.2 with auto
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
@@ -45,8 +53,14 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if isinstance(self.n_draft, bool) or not isinstance(self.n_draft, int) or not 0 <= self.n_draft <= 64:
-            raise ValueError(f"n_draft must be an integer in [0, 64], got {self.n_draft!r}")
+        if self.n_draft != "auto" and (
+            isinstance(self.n_draft, bool) or not isinstance(self.n_draft, int) or not 0 <= self.n_draft <= 64
+        ):
+            raise ValueError(f"n_draft must be 'auto' or an integer in [0, 64], got {self.n_draft!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
+            raise ValueError(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if isinstance(self.stop, str):
@@ -63,6 +77,24 @@ class GenerationConfig:
     def rule(self) -> AcceptanceRule | None:
         return None if self.method == "none" else make_rule(self.method, self.delta)
 
+    @property
+    def auto(self) -> bool:
+        return self.n_draft == "auto"
+
+    @property
+    def max_draft(self) -> int:
+        return MAX_AUTO_DRAFT if self.auto else self.n_draft
+
+    @property
+    def p_min(self) -> float:
+        if self.draft_p_min is not None:
+            return self.draft_p_min
+        return AUTO_DRAFT_P_MIN if self.auto else 0.0
+
+    @property
+    def uses_model(self) -> bool:
+        return self.method != "none" and self.drafter in ("model", "model+lookup")
+
 
 @dataclass
 class StepStats:
@@ -74,6 +106,7 @@ class StepStats:
     verify_ms: float
     total_ms: float
     kl: float | None = None
+    drafter: str = "model"  # what proposed this block: "model", "lookup" or "none" (k = 0)
 
 
 @dataclass
@@ -117,6 +150,14 @@ class GenerationStats:
         return self.n_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
 
     @property
+    def draft_length_histogram(self) -> dict[int, int]:
+        """How many verifier calls drafted k tokens, per k (what `auto` chose)."""
+        counts: dict[int, int] = {}
+        for step in self.steps:
+            counts[step.n_draft] = counts.get(step.n_draft, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
     def kl_mean(self) -> float | None:
         return self.kl_sum / self.kl_steps if self.kl_steps else None
 
@@ -145,6 +186,7 @@ class GenerationStats:
             overhead_ms=self.overhead_ms,
             tokens_per_second=self.tokens_per_second,
             kl_mean=self.kl_mean,
+            draft_length_histogram=self.draft_length_histogram,
         )
         return data
 
@@ -258,6 +300,10 @@ class Engine:
                 self.target.close()
                 raise
         self._lock = threading.Lock()
+        # What `n_draft="auto"` learns, kept across generations: costs of this machine, and
+        # acceptance rates per (drafter, method, delta).
+        self.costs = CostModel()
+        self.acceptance: dict[tuple, AcceptanceTracker] = {}
 
     @classmethod
     def from_pair(cls, name: str = "default", **kwargs) -> Engine:
@@ -323,8 +369,11 @@ class Engine:
     ) -> Iterator[StreamEvent]:
         """Stream the continuation of ``prompt`` (text, or token ids) one event per token."""
         config = config or GenerationConfig()
-        if config.method != "none" and self.draft is None:
-            raise ValueError(f"method {config.method!r} needs a draft model; this engine has none")
+        if config.uses_model and self.draft is None:
+            raise ValueError(
+                f"drafter {config.drafter!r} needs a draft model and this engine has none; "
+                "use drafter='lookup' or method='none'"
+            )
         prompt_tokens = self.tokenize_prompt(prompt)
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
@@ -369,7 +418,9 @@ class _Generation:
     def __init__(
         self, engine: Engine, prompt_tokens: list[int], config: GenerationConfig, cancel: threading.Event
     ) -> None:
-        self.target, self.draft = engine.target, engine.draft
+        self.engine = engine
+        self.target = engine.target
+        self.draft = engine.draft if config.uses_model else None
         self.config, self.cancel = config, cancel
         self.sampling = config.sampling
         self.rule = config.rule
@@ -381,7 +432,7 @@ class _Generation:
         self.n_generated = 0
 
     def models(self) -> list[LlamaModel]:
-        return [m for m in (self.target, self.draft) if m is not None and (m is self.target or self.rule)]
+        return [m for m in (self.target, self.draft) if m is not None]
 
     def prefill(self) -> None:
         """Bring every cache to committed[:-1], reusing the longest common prefix it holds."""
@@ -440,22 +491,43 @@ class _Generation:
             if model.n_past > len(self.committed):
                 model.truncate(len(self.committed))
 
-    def draft_length(self) -> int:
+    def draft_room(self) -> int:
+        """The longest block that fits the context and the max_tokens budget."""
         if self.rule is None:
             return 0
         room_in_context = self.target.n_ctx - len(self.committed)
         room_in_budget = self.config.max_tokens - self.n_generated - 1
-        return max(0, min(self.config.n_draft, room_in_context, room_in_budget))
+        return max(0, min(self.config.max_draft, room_in_context, room_in_budget))
+
+    def tracker(self, drafter: str) -> AcceptanceTracker:
+        key = (drafter, self.config.method, self.config.delta)
+        if key not in self.engine.acceptance:
+            self.engine.acceptance[key] = AcceptanceTracker(MAX_AUTO_DRAFT)
+        return self.engine.acceptance[key]
+
+    def plan(self, room: int, drafter: str) -> int:
+        """How many tokens to draft this step."""
+        if not self.config.auto or room == 0:
+            return room
+        costs = self.engine.costs
+        if not costs.ready:
+            return min(room, 4)  # measure something first
+        draft_ms = costs.draft_ms if drafter == "model" else 0.0
+        k = choose_draft_length(self.tracker(drafter).rates, draft_ms, costs.verify_ms, room)
+        if self.stats.n_verifier_calls % PROBE_EVERY == PROBE_EVERY - 1:
+            k = min(room, max(k + 1, 2))  # re-probe: acceptance and costs drift with the text
+        return k
 
     def step(self) -> tuple[list[int], list[bool]]:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
         step_start = time.perf_counter()
-        n_draft = self.draft_length()
-        draft_tokens, draft_rows, draft_ms = self.propose(n_draft)
+        draft_tokens, draft_rows, draft_ms, drafter = self.propose(self.draft_room())
+        n_draft = len(draft_tokens)
         verify_start = time.perf_counter()
         feed = self.committed[self.target.n_past :] + draft_tokens
         target_logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)))
         verify_ms = (time.perf_counter() - verify_start) * 1000
+        self.engine.costs.record_verify(len(feed), verify_ms)
         target_rows = process_logits(target_logits, self.sampling)
         kl = None
         if n_draft == 0:
@@ -466,33 +538,51 @@ class _Generation:
             n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
             emitted = [*draft_tokens[:n_accepted], verdict.next_token]
             kl = self.fidelity(draft_rows, target_rows, n_decided)
+            self.tracker(drafter).record(verdict.acceptance_probs)
         self.committed += emitted
         base = len(self.committed) - len(emitted)
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
         total_ms = (time.perf_counter() - step_start) * 1000
-        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl)
+        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl, drafter)
         self.stats.draft_ms += draft_ms
         self.stats.verify_ms += verify_ms
         self.stats.decode_ms += total_ms
         self.stats.record(step, n_decided)
         return emitted, [True] * n_accepted + [False]
 
-    def propose(self, n_draft: int) -> tuple[list[int], list, float]:
-        """Sample n_draft tokens from the draft, one decode each; keeps every processed row."""
+    def propose(self, room: int) -> tuple[list[int], list, float, str]:
+        """Draft up to ``room`` tokens: (tokens, their draft rows, ms in llama_decode, drafter)."""
+        if room == 0:
+            return [], [], 0.0, "none"
+        if self.config.drafter in ("lookup", "model+lookup"):
+            n_lookup = self.plan(room, "lookup")
+            tokens = lookup_continuation(self.committed, n_lookup) if n_lookup else []
+            if tokens or self.config.drafter == "lookup":
+                return tokens, point_mass_rows(tokens, self.target.vocab_size), 0.0, "lookup"
+        n_draft = self.plan(room, "model")
+        tokens, rows, ms = self.sample_draft(n_draft)
+        return tokens, rows, ms, "model" if tokens else "none"
+
+    def sample_draft(self, n_draft: int) -> tuple[list[int], list, float]:
+        """Sample up to n_draft tokens from the draft model, one decode each, keeping every
+        processed row; stops early when the draft's own p(d) falls below p_min."""
         tokens: list[int] = []
         rows = []
         decode_ms = 0.0
-        if n_draft == 0:
-            return tokens, rows, decode_ms
         feed = self.committed[self.draft.n_past :]
         for _ in range(n_draft):
             start = time.perf_counter()
             logits = self.draft.decode(feed, output_rows=(-1,))
-            decode_ms += (time.perf_counter() - start) * 1000
+            elapsed = (time.perf_counter() - start) * 1000
+            decode_ms += elapsed
+            if len(feed) == 1:
+                self.engine.costs.record_draft(elapsed)
             row = process_logits(logits[0], self.sampling)
             token = sample_token(row, self.rng)
+            if self.config.p_min and row_prob(row, token) < self.config.p_min:
+                break  # such tokens are rarely accepted: verify what we have
             tokens.append(token)
             rows.append(row)
             feed = [token]

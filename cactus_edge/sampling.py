@@ -217,7 +217,6 @@ def _top_k_ids(row: np.ndarray, n_keep: int) -> np.ndarray:
     return candidates[np.argpartition(row[candidates], -n_keep)[-n_keep:]]
 
 
-
 def _process_dense(rows: np.ndarray, config: SamplingConfig) -> np.ndarray:
     probs = np.empty(rows.shape, dtype=np.float64)
     for index, row in enumerate(rows):

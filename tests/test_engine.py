@@ -53,7 +53,9 @@ def test_greedy_speculation_equals_plain_greedy(engine, target_alone, method, n_
 
 
 def test_cactus_delta_zero_equals_sps_for_the_same_seed(engine):
-    settings = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "max_tokens": 50, "seed": 7}
+    # A fixed n_draft: with "auto" the block lengths follow measured timings, and so does how much
+    # randomness each step draws.
+    settings = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "max_tokens": 50, "seed": 7, "n_draft": 4}
     sps = engine.generate(PROMPT, GenerationConfig(method="sps", **settings))
     cactus = engine.generate(PROMPT, GenerationConfig(method="cactus", delta=0.0, **settings))
     assert sps.tokens == cactus.tokens
@@ -61,7 +63,9 @@ def test_cactus_delta_zero_equals_sps_for_the_same_seed(engine):
 
 
 def test_same_seed_same_text_and_seeds_matter(engine):
-    config = GenerationConfig(method="cactus", temperature=1.0, top_k=0, top_p=1.0, max_tokens=40, seed=3)
+    config = GenerationConfig(
+        method="cactus", n_draft=4, temperature=1.0, top_k=0, top_p=1.0, max_tokens=40, seed=3
+    )
     first, again = engine.generate(PROMPT, config), engine.generate(PROMPT, config)
     assert first.tokens == again.tokens
     other = engine.generate(PROMPT, GenerationConfig(**{**config.__dict__, "seed": 4}))
@@ -231,7 +235,9 @@ def test_statistics_are_consistent(engine):
     assert all(a <= t for a, t in zip(s.accepted_by_position, s.tried_by_position, strict=True))
     assert s.kl_mean is not None and s.kl_mean >= 0
     assert s.decode_ms >= s.draft_ms + s.verify_ms
-    drafted = [e.from_draft for e in engine.stream(PROMPT, GenerationConfig(seed=2, max_tokens=20))]
+    drafted = [
+        e.from_draft for e in engine.stream(PROMPT, GenerationConfig(seed=2, n_draft=4, max_tokens=20))
+    ]
     assert any(drafted) and not all(drafted[:-1])
 
 
@@ -262,3 +268,69 @@ def test_openai_style_completion(engine):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == completion["choices"][0]["message"]["content"]
+
+
+REPETITIVE = "the water is hot and the water is hot and the water is hot and the water"
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "model+lookup"])
+@pytest.mark.parametrize("n_draft", ["auto", 5])
+def test_greedy_equivalence_for_every_drafter_and_draft_policy(engine, target_alone, drafter, n_draft):
+    greedy = {"temperature": 0.0, "max_tokens": 40}
+    plain = engine.generate(REPETITIVE, GenerationConfig(method="none", **greedy))
+    spec = engine.generate(
+        REPETITIVE, GenerationConfig(method="cactus", drafter=drafter, n_draft=n_draft, **greedy)
+    )
+    if drafter != "model" and n_draft != "auto":  # auto may rightly learn that lookup loses here
+        assert any(step.drafter == "lookup" for step in spec.stats.steps)
+    prompt_tokens = engine.tokenize_prompt(REPETITIVE)
+    for index, (a, b) in enumerate(zip(plain.tokens, spec.tokens, strict=False)):
+        if a != b:
+            margin = top2_margin(target_alone, prompt_tokens + plain.tokens[:index])
+            assert margin < FLIP_MARGIN, f"token {index} differs with a top-2 margin of {margin}"
+            return
+    assert plain.tokens == spec.tokens
+
+
+def test_lookup_drafter_keeps_sps_lossless(engine, target_alone):
+    """First token under SpS with prompt-lookup proposals follows the target's distribution."""
+    sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
+    # Context = P + G + P, G the target's own greedy continuation of P: at the end, lookup
+    # proposes G again, which the target likes, so lookup drafts are often accepted.
+    head = engine.tokenize_prompt(PROMPT)
+    greedy = engine.generate(head, GenerationConfig(method="none", temperature=0.0, max_tokens=8)).tokens
+    prompt_tokens = head + greedy + head[1:]
+    target_alone.reset()
+    target_probs = to_dense(process_logits(target_alone.decode(prompt_tokens)[0], sampling))
+    support = np.flatnonzero(target_probs)
+    config = dict(
+        method="sps", drafter="lookup", n_draft=3, temperature=1.0, top_k=6, top_p=1.0, max_tokens=3
+    )
+    counts = np.zeros(target_probs.size, dtype=np.int64)
+    n_runs, accepted_first = 2000, 0
+    for seed in range(n_runs):
+        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
+        assert result.stats.steps[0].drafter == "lookup"
+        counts[result.tokens[0]] += 1
+        accepted_first += result.stats.steps[0].n_accepted > 0
+    assert accepted_first > n_runs * 0.1
+    assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
+    assert scipy_stats.chisquare(counts[support], target_probs[support] * n_runs).pvalue > 1e-3
+
+
+def test_lookup_needs_no_draft_model(tiny_pair):
+    with Engine(None, str(tiny_pair[1]), n_ctx=256) as target_only:
+        result = target_only.generate(
+            REPETITIVE, GenerationConfig(drafter="lookup", temperature=0.0, max_tokens=20)
+        )
+        assert len(result.tokens) == 20
+        with pytest.raises(ValueError, match="needs a draft model"):
+            target_only.generate(REPETITIVE, GenerationConfig(drafter="model"))
+
+
+def test_auto_records_costs_and_reports_chosen_lengths(engine):
+    result = engine.generate(PROMPT, GenerationConfig(n_draft="auto", temperature=0.0, max_tokens=40))
+    assert engine.costs.ready
+    histogram = result.stats.draft_length_histogram
+    assert sum(histogram.values()) == result.stats.n_verifier_calls
+    assert all(0 <= k <= 12 for k in histogram)

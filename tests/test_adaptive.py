@@ -1,0 +1,80 @@
+"""The draft-length policy and the prompt-lookup matcher, as pure functions."""
+
+import numpy as np
+import pytest
+
+from cactus_edge.adaptive import AcceptanceTracker, CostModel, choose_draft_length, expected_tokens
+from cactus_edge.lookup import lookup_continuation, point_mass_rows
+
+
+def test_expected_tokens_is_one_plus_the_expected_accepted_prefix():
+    rates = np.array([0.8, 0.5, 0.5])
+    assert expected_tokens(rates, 0) == 1.0
+    assert expected_tokens(rates, 1) == pytest.approx(1.8)
+    assert expected_tokens(rates, 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+
+
+def test_chosen_k_is_the_argmax_of_expected_tokens_per_ms():
+    rates = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+
+    def verify_ms(n):
+        return 60.0 + 12.0 * n
+
+    chosen = choose_draft_length(rates, 15.0, verify_ms, 6)
+    throughput = [1 / verify_ms(1)] + [
+        expected_tokens(rates, k) / (k * 15.0 + verify_ms(k + 1)) for k in range(1, 7)
+    ]
+    assert chosen == int(np.argmax(throughput))
+    assert 0 < chosen < 6
+
+
+def test_when_every_draft_loses_k_is_zero():
+    # Compute-bound CPU: verifying n tokens costs n times one (SPEC's 2-core machine), draft not free.
+    assert choose_draft_length(np.full(8, 0.6), 37.0, lambda n: 80.0 * n, 8) == 0
+
+
+def test_near_free_verification_takes_the_longest_block():
+    # Verification and drafting nearly free (a GPU, or the lookup drafter): draft all you may.
+    assert choose_draft_length(np.full(12, 0.8), 0.01, lambda n: 20.0 + 0.01 * n, 12) == 12
+
+
+def test_cost_model_interpolates_measured_sizes():
+    costs = CostModel()
+    assert not costs.ready
+    costs.record_verify(1, 80.0)
+    assert costs.verify_ms(4) == pytest.approx(80.0)  # one size known: flat (optimistic, so tried)
+    costs.record_verify(5, 200.0)
+    costs.record_draft(30.0)
+    assert costs.ready
+    assert costs.verify_ms(3) == pytest.approx(140.0)  # a line through (1, 80) and (5, 200)
+    costs.record_verify(1, 100.0)
+    assert costs.verify_ms(1) == pytest.approx(84.0)  # moving average, weight 0.2 on the new value
+
+
+def test_acceptance_tracker_moves_towards_observed_probabilities():
+    tracker = AcceptanceTracker(4)
+    for _ in range(50):
+        tracker.record((1.0, 0.1))
+    assert tracker.rates[0] > 0.99 and tracker.rates[1] < 0.11
+    assert tracker.rates[2] == pytest.approx(0.6)  # never observed: the prior
+
+
+@pytest.mark.parametrize(
+    ("context", "n", "expected"),
+    [
+        ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),  # trigram match
+        ([9, 1, 2, 7, 8, 3, 1, 2], 2, [7, 8]),  # bigram match
+        ([4, 5, 6, 7, 5], 4, [6, 7, 5]),  # unigram: proposes what followed, to the end
+        ([1, 2, 3, 1, 2, 3, 4, 1, 2, 3], 2, [4, 1]),  # the most recent occurrence wins
+        ([5, 6, 7], 3, []),  # nothing recurs
+        ([1, 2, 1], 0, []),
+    ],
+)
+def test_lookup_matcher_on_crafted_contexts(context, n, expected):
+    assert lookup_continuation(context, n) == expected
+
+
+def test_lookup_proposals_are_point_masses():
+    rows = point_mass_rows([7, 9], vocab_size=20)
+    assert [r.token_ids.tolist() for r in rows] == [[7], [9]]
+    assert all(r.probs.tolist() == [1.0] and r.shape == (20,) for r in rows)
