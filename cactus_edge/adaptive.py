@@ -49,6 +49,7 @@ class CostModel:
 
     draft_ms: float | None = None  # one single-token draft decode
     verify_ms_by_size: dict[int, float] = field(default_factory=dict)  # batch size → ms
+    _line: tuple[float, float] | None = field(default=None, repr=False)  # fit cache, reset on record
 
     def record_draft(self, ms: float) -> None:
         self.draft_ms = ms if self.draft_ms is None else _blend(self.draft_ms, ms)
@@ -56,6 +57,7 @@ class CostModel:
     def record_verify(self, n_tokens: int, ms: float) -> None:
         old = self.verify_ms_by_size.get(n_tokens)
         self.verify_ms_by_size[n_tokens] = ms if old is None else _blend(old, ms)
+        self._line = None
 
     @property
     def ready(self) -> bool:
@@ -68,12 +70,14 @@ class CostModel:
         table = self.verify_ms_by_size
         if n_tokens in table:
             return table[n_tokens]
-        sizes = np.array(sorted(table), dtype=np.float64)
-        costs = np.array([table[int(s)] for s in sizes])
-        if len(sizes) == 1:
-            return float(costs[0])
-        slope, intercept = np.polyfit(sizes, costs, 1)
-        return float(max(slope * n_tokens + intercept, 1e-3))
+        if len(table) == 1:
+            return next(iter(table.values()))
+        if self._line is None:
+            sizes = np.array(sorted(table), dtype=np.float64)
+            slope, intercept = np.polyfit(sizes, [table[int(s)] for s in sizes], 1)
+            self._line = (float(slope), float(intercept))
+        slope, intercept = self._line
+        return max(slope * n_tokens + intercept, 1e-3)
 
 
 @dataclass

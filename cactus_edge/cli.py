@@ -304,6 +304,185 @@ def generate(
     click.echo(summary_line(stats), err=True)
 
 
+@main.command()
+@model_options
+@sampling_options
+@click.option("--max-tokens", type=int, default=1024, show_default=True, help="Longest reply.")
+@handle_errors
+def chat(
+    pair,
+    draft,
+    target,
+    n_ctx,
+    threads,
+    n_gpu_layers,
+    verbose,
+    method,
+    delta,
+    n_draft,
+    drafter,
+    draft_p_min,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    seed,
+    system,
+    max_tokens,
+) -> None:
+    """Chat in the terminal, with the acceptance view and live statistics."""
+    from .engine import GenerationConfig
+    from .tui import CactusChatApp
+
+    if pair and (draft or target):
+        raise click.UsageError("use --pair, or --draft/--target, not both")
+    config = GenerationConfig(
+        method=method,
+        delta=delta,
+        n_draft=n_draft,
+        drafter=drafter,
+        draft_p_min=draft_p_min,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        max_tokens=max_tokens,
+        seed=seed,
+    )
+
+    def engine_factory():
+        # Chat switches methods between turns (/method), so the draft is loaded even for `none`.
+        return load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, "cactus", drafter)
+
+    fetch_default = None
+    if not (draft or target):
+        from .fetch import fetch_model
+        from .registry import load_registry
+
+        def fetch_default():
+            for spec in load_registry().expand(pair or "default"):
+                fetch_model(spec, quiet=True)
+
+    CactusChatApp(engine_factory, config, system=system, fetch_default=fetch_default).run()
+
+
+def _split(kind):
+    def parse(ctx, param, value):
+        try:
+            return [kind(item) for item in value.split(",") if item]
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from error
+
+    return parse
+
+
+def _draft_length(item: str):
+    return item if item == "auto" else int(item)
+
+
+@main.command()
+@model_options
+@click.option(
+    "--methods",
+    default="none,exact,sps,tas,cactus",
+    show_default=True,
+    callback=_split(str),
+    help="Comma-separated methods.",
+)
+@click.option(
+    "--deltas", default="0.25,0.5,1.0,2.0", show_default=True, callback=_split(float), help="Cactus deltas."
+)
+@click.option(
+    "--n-draft",
+    "n_drafts",
+    default="4,auto",
+    show_default=True,
+    callback=_split(_draft_length),
+    help="Draft lengths (integers or auto).",
+)
+@click.option(
+    "--drafters",
+    default="model",
+    show_default=True,
+    callback=_split(str),
+    help="Comma-separated drafters: model, lookup, model+lookup.",
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSONL (prompt, category) or text file, one prompt per line (default: bundled set).",
+)
+@click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
+@click.option("--limit", type=int, default=None, help="Run only the first N prompts.")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.6, show_default=True)
+@click.option("--top-k", type=int, default=20, show_default=True)
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default="bench-out",
+    show_default=True,
+    help="Folder for bench.json and bench.md.",
+)
+@handle_errors
+def bench(
+    pair,
+    draft,
+    target,
+    n_ctx,
+    threads,
+    n_gpu_layers,
+    verbose,
+    methods,
+    deltas,
+    n_drafts,
+    drafters,
+    prompts_file,
+    category,
+    limit,
+    max_tokens,
+    temperature,
+    top_k,
+    top_p,
+    out,
+) -> None:
+    """Speed, acceptance and fidelity of each method vs plain decoding, interleaved per prompt."""
+    import json
+    import platform
+
+    from .bench import load_prompts, make_variants, markdown_table, peak_rss_mb, run_bench, summarize
+
+    prompts = load_prompts(prompts_file, category)[:limit]
+    variants = make_variants(methods, deltas, n_drafts, drafters)
+    settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_tokens": max_tokens}
+    needs_model = any(v.method != "none" and v.drafter != "lookup" for v in variants)
+    engine = load_engine(
+        pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, "cactus" if needs_model else "none"
+    )
+    with engine:
+        records = run_bench(
+            engine, prompts, variants, settings, progress=lambda line: click.echo(line, err=True)
+        )
+    summary = summarize(records, variants)
+    title = (
+        f"{pair or 'custom'} pair · {len(prompts)} prompts · temperature {temperature}, top-p {top_p}, "
+        f"top-k {top_k} · {max_tokens} tokens · {platform.machine()} {platform.system()}, "
+        f"{threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
+    )
+    table = title + markdown_table(summary)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench.md").write_text(table)
+    settings_out = {**settings, "pair": pair, "draft": draft, "target": target, "n_ctx": n_ctx}
+    (folder / "bench.json").write_text(
+        json.dumps({"settings": settings_out, "summary": summary, "runs": records}, indent=2)
+    )
+    click.echo(table)
+
+
 def json_stats(stats) -> dict:
     summary = stats.summary()
     keys = (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import AcceptanceRule, make_rule, output_kl
+from .acceptance import AcceptanceRule, Cactus, make_rule, output_kl
 from .adaptive import AcceptanceTracker, CostModel, choose_draft_length
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .chat import render_chat
@@ -67,7 +67,9 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        _ = self.sampling, self.rule  # building them validates temperature … min_p and delta
+        # Building these validates temperature … min_p and delta (whatever the method, so a bad
+        # delta is caught before someone switches to cactus).
+        _ = self.sampling, self.rule, Cactus(self.delta)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -200,7 +202,8 @@ class StreamEvent:
     token: the token id; None on the final event.
     from_draft: True for an accepted draft token, False for a token the target produced.
     step: index of the verifier call that produced the token.
-    finish_reason / stats: set on the final event only.
+    finish_reason: set on the final event only.
+    stats: the generation's running statistics (complete on the final event).
     """
 
     text: str
@@ -467,7 +470,7 @@ class _Generation:
                         break
                     text, stopped_by_string = self.stop_filter.push(self.detokenizer.add(token))
                     self.stats.n_tokens += 1
-                    yield StreamEvent(text, token, drafted, self.stats.n_verifier_calls - 1)
+                    yield StreamEvent(text, token, drafted, self.stats.n_verifier_calls - 1, stats=self.stats)
                     if stopped_by_string:
                         finish = "stop"
                         break

@@ -1,0 +1,178 @@
+"""Benchmark logic: run method variants interleaved over a prompt set and summarise the numbers.
+
+Interleaving (every variant on prompt 1, then every variant on prompt 2, …) with the same seed per
+prompt keeps ratios to plain decoding honest on a noisy machine: a slow minute hits all variants.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from .engine import Engine, GenerationConfig
+
+
+@dataclass(frozen=True)
+class Variant:
+    method: str
+    delta: float = 1.0
+    n_draft: int | str = "auto"
+    drafter: str = "model"
+
+    @property
+    def label(self) -> str:
+        if self.method == "none":
+            return "none"
+        name = f"cactus δ={self.delta:g}" if self.method == "cactus" else self.method
+        drafter = "" if self.drafter == "model" else f" [{self.drafter}]"
+        return f"{name} k={self.n_draft}{drafter}"
+
+
+def make_variants(
+    methods: Sequence[str], deltas: Sequence[float], n_drafts: Sequence[int | str], drafters: Sequence[str]
+) -> list[Variant]:
+    """`none` once (the baseline), then every other method × draft length × drafter (× delta)."""
+    variants = [Variant("none", n_draft=0)]
+    for method in methods:
+        if method == "none":
+            continue
+        for n_draft in n_drafts:
+            for drafter in drafters:
+                for delta in deltas if method == "cactus" else (1.0,):
+                    variants.append(Variant(method, delta, n_draft, drafter))
+    return variants
+
+
+def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ()) -> list[dict]:
+    """Prompts as dicts with `prompt` and `category`: the bundled set, or a JSONL/plain-text file
+    (one prompt per line for plain text)."""
+    if path is None:
+        text = (resources.files("cactus_edge") / "data" / "prompts.jsonl").read_text()
+        suffix = ".jsonl"
+    else:
+        text, suffix = Path(path).read_text(), Path(path).suffix
+    prompts = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line) if suffix == ".jsonl" else {"prompt": line, "category": "user"}
+        prompts.append({"category": entry.get("category", "user"), "prompt": entry["prompt"]})
+    if categories:
+        prompts = [p for p in prompts if p["category"] in categories]
+    if not prompts:
+        raise ValueError("no prompts to run (check --prompts and --category)")
+    return prompts
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[dict],
+    variants: list[Variant],
+    settings: dict,
+    *,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[dict]:
+    """One record per (prompt, variant): the generation's statistics, plus which prompt/variant."""
+    warm = GenerationConfig(**{**settings, "max_tokens": 8}, method="sps", n_draft=2)
+    engine.chat([{"role": "user", "content": "Hello"}], warm)  # load pages, build graphs
+    records = []
+    for index, entry in enumerate(prompts):
+        for variant in variants:
+            config = GenerationConfig(
+                method=variant.method,
+                delta=variant.delta,
+                n_draft=variant.n_draft,
+                drafter=variant.drafter,
+                seed=index,
+                **settings,
+            )
+            result = engine.chat([{"role": "user", "content": entry["prompt"]}], config)
+            stats = result.stats.summary()
+            records.append(
+                {"prompt": index, "category": entry["category"], "variant": variant.label, **stats}
+            )
+            progress(
+                f"prompt {index:>2} {variant.label:<28} {stats['tokens_per_second']:6.2f} tok/s  "
+                f"AL {stats['acceptance_length']:.2f}"
+            )
+    return records
+
+
+def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
+    """Per variant: AL, tokens per verifier call, tok/s, speedup vs `none` on the same prompt
+    (median, min, max), per-step milliseconds, KL, acceptance by position, chosen draft lengths."""
+    baseline = {r["prompt"]: r["tokens_per_second"] for r in records if r["variant"] == "none"}
+    summary = {}
+    for variant in variants:
+        runs = [r for r in records if r["variant"] == variant.label]
+        if not runs:
+            continue
+        calls = sum(r["n_verifier_calls"] for r in runs) or 1
+        speedups = [r["tokens_per_second"] / baseline[r["prompt"]] for r in runs if baseline.get(r["prompt"])]
+        kls = [r["kl_mean"] for r in runs if r["kl_mean"] is not None]
+        tried = _sum_lists([r["tried_by_position"] for r in runs])
+        accepted = _sum_lists([r["accepted_by_position"] for r in runs])
+        histogram: dict[int, int] = {}
+        for r in runs:
+            for k, count in r["draft_length_histogram"].items():
+                histogram[int(k)] = histogram.get(int(k), 0) + count
+        summary[variant.label] = {
+            "method": variant.method,
+            "delta": variant.delta,
+            "n_draft": variant.n_draft,
+            "drafter": variant.drafter,
+            "acceptance_length": sum(r["n_accepted"] for r in runs) / calls,
+            "tokens_per_verifier_call": sum(r["n_tokens"] for r in runs) / calls,
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in runs),
+            "speedup_median": statistics.median(speedups) if speedups else None,
+            "speedup_min": min(speedups) if speedups else None,
+            "speedup_max": max(speedups) if speedups else None,
+            "draft_ms_per_step": sum(r["draft_ms"] for r in runs) / calls,
+            "verify_ms_per_step": sum(r["verify_ms"] for r in runs) / calls,
+            "overhead_ms_per_step": sum(r["overhead_ms"] for r in runs) / calls,
+            "kl_mean": statistics.mean(kls) if kls else None,
+            "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
+            "draft_length_histogram": dict(sorted(histogram.items())),
+        }
+    return summary
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    width = max((len(values) for values in lists), default=0)
+    return [sum(values[i] for values in lists if i < len(values)) for i in range(width)]
+
+
+def markdown_table(summary: dict[str, dict]) -> str:
+    header = (
+        "| method | AL (accepted drafts / verifier call) | tokens / verifier call | tok/s (median) | "
+        "speedup vs none: median (min–max) | draft / verify / overhead ms per step | mean KL | "
+        "draft lengths |\n|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for label, s in summary.items():
+        speedup = (
+            f"{s['speedup_median']:.2f} ({s['speedup_min']:.2f}–{s['speedup_max']:.2f})"
+            if s["speedup_median"] is not None
+            else "–"
+        )
+        kl = f"{s['kl_mean']:.4f}" if s["kl_mean"] is not None else "–"
+        lengths = ", ".join(f"{k}: {n}" for k, n in s["draft_length_histogram"].items())
+        lines.append(
+            f"| {label} | {s['acceptance_length']:.2f} | {s['tokens_per_verifier_call']:.2f} | "
+            f"{s['tokens_per_second']:.2f} | {speedup} | {s['draft_ms_per_step']:.0f} / "
+            f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {lengths} |"
+        )
+    return header + "\n".join(lines) + "\n"
+
+
+def peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (
+        1024**2 if sys.platform == "darwin" else 1024
+    )

@@ -1,0 +1,101 @@
+"""Benchmark logic: variants, prompt loading, interleaving and the summary arithmetic."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cactus_edge.bench import Variant, load_prompts, make_variants, markdown_table, summarize
+from cactus_edge.cli import main
+
+
+def test_variants_put_the_baseline_first_and_cross_the_lists():
+    variants = make_variants(["none", "sps", "cactus"], [0.5, 1.0], [4, "auto"], ["model", "lookup"])
+    assert variants[0] == Variant("none", n_draft=0)
+    assert len(variants) == 1 + 2 * 2 * (1 + 2)
+    assert {v.label for v in variants} >= {"sps k=4", "cactus δ=0.5 k=auto [lookup]"}
+
+
+def test_bundled_prompts_cover_five_categories(tmp_path):
+    prompts = load_prompts()
+    assert len(prompts) == 30
+    categories = {p["category"] for p in prompts}
+    assert categories == {"code-writing", "code-editing", "explanation", "chat", "math"}
+    editing = load_prompts(categories=["code-editing"])
+    assert editing and all("```" in p["prompt"] for p in editing)
+    text_file = tmp_path / "mine.txt"
+    text_file.write_text("first prompt\n\nsecond prompt\n")
+    assert [p["prompt"] for p in load_prompts(text_file)] == ["first prompt", "second prompt"]
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(categories=["poetry"])
+
+
+def record(prompt, variant, tps, calls, tokens, accepted, kl=None, hist=None):
+    return {
+        "prompt": prompt,
+        "category": "x",
+        "variant": variant,
+        "tokens_per_second": tps,
+        "n_verifier_calls": calls,
+        "n_tokens": tokens,
+        "n_accepted": accepted,
+        "draft_ms": 10.0 * calls,
+        "verify_ms": 20.0 * calls,
+        "overhead_ms": 1.0 * calls,
+        "kl_mean": kl,
+        "tried_by_position": [calls, calls // 2],
+        "accepted_by_position": [calls // 2, calls // 4],
+        "draft_length_histogram": hist or {4: calls},
+    }
+
+
+def test_summary_speedups_are_per_prompt_ratios_to_none():
+    variants = [Variant("none", n_draft=0), Variant("sps", n_draft=4)]
+    records = [
+        record(0, "none", 10.0, 20, 20, 0, hist={0: 20}),
+        record(1, "none", 20.0, 20, 20, 0, hist={0: 20}),
+        record(0, "sps k=4", 15.0, 8, 24, 16),
+        record(1, "sps k=4", 10.0, 8, 24, 16),
+    ]
+    summary = summarize(records, variants)
+    sps = summary["sps k=4"]
+    assert sps["speedup_min"] == pytest.approx(0.5) and sps["speedup_max"] == pytest.approx(1.5)
+    assert sps["speedup_median"] == pytest.approx(1.0)
+    assert sps["acceptance_length"] == pytest.approx(2.0)
+    assert sps["tokens_per_verifier_call"] == pytest.approx(3.0)
+    assert sps["acceptance_by_position"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    assert sps["draft_length_histogram"] == {4: 16}
+    table = markdown_table(summary)
+    assert "| sps k=4 | 2.00 | 3.00 | 12.50 | 1.00 (0.50–1.50) |" in table
+
+
+def test_bench_command_on_the_tiny_pair(tiny_pair, tmp_path):
+    out = tmp_path / "out"
+    args = [
+        "bench",
+        "--draft",
+        str(tiny_pair[0]),
+        "--target",
+        str(tiny_pair[1]),
+        "--n-ctx",
+        "512",
+        "--methods",
+        "none,sps,cactus",
+        "--deltas",
+        "0.5",
+        "--n-draft",
+        "3",
+        "--limit",
+        "2",
+        "--max-tokens",
+        "12",
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["variant"] for r in data["runs"]] == ["none", "sps k=3", "cactus δ=0.5 k=3"] * 2
+    assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
+    assert set(data["summary"]) == {"none", "sps k=3", "cactus δ=0.5 k=3"}
+    assert "| none |" in (out / "bench.md").read_text()
