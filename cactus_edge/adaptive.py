@@ -18,6 +18,8 @@ import numpy as np
 
 SMOOTHING = 0.2  # weight of a new measurement in the moving averages
 PRIOR_ACCEPTANCE = 0.6  # optimistic, so speculation is tried before anything is measured
+MIN_PROBE_INTERVAL = 16  # steps between probes (one token more than the policy says)…
+MAX_PROBE_INTERVAL = 256  # …doubling up to this while probes keep failing
 
 
 def expected_tokens(acceptance: np.ndarray, n_draft: int) -> float:
@@ -61,6 +63,7 @@ class CostModel:
 
     @property
     def ready(self) -> bool:
+        """Both costs a model-drafted step needs have been measured."""
         return self.draft_ms is not None and bool(self.verify_ms_by_size)
 
     def verify_ms(self, n_tokens: int) -> float:
@@ -86,9 +89,28 @@ class AcceptanceTracker:
 
     max_draft: int
     rates: np.ndarray = field(init=False)
+    probe_every: int = MIN_PROBE_INTERVAL
+    steps_since_probe: int = 0
 
     def __post_init__(self) -> None:
         self.rates = np.full(max(self.max_draft, 1), PRIOR_ACCEPTANCE)
+
+    def should_probe(self) -> bool:
+        """Count a step; True every ``probe_every`` steps. Acceptance and costs drift with the
+        text, and a policy that stopped drafting would otherwise never learn it should resume."""
+        self.steps_since_probe += 1
+        if self.steps_since_probe < self.probe_every:
+            return False
+        self.steps_since_probe = 0
+        return True
+
+    def record_probe(self, n_accepted: int) -> None:
+        """A probe that accepted nothing doubles the wait before the next (a failed probe costs a
+        draft catch-up and a wider verify); one that paid resets it."""
+        if n_accepted:
+            self.probe_every = MIN_PROBE_INTERVAL
+        else:
+            self.probe_every = min(2 * self.probe_every, MAX_PROBE_INTERVAL)
 
     def record(self, acceptance_probs: tuple[float, ...]) -> None:
         """Use the rule's acceptance probabilities (a lower-variance signal than 0/1 outcomes)."""

@@ -10,6 +10,7 @@ import json
 import resource
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -68,6 +69,15 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
     if not prompts:
         raise ValueError("no prompts to run (check --prompts and --category)")
     return prompts
+
+
+def per_category(prompts: list[dict], n: int) -> list[dict]:
+    """The first n prompts of each category, round-robin (category 1's first, category 2's first,
+    …, then the seconds), so a short run still covers every kind of text."""
+    categories: dict[str, list[dict]] = {}
+    for entry in prompts:
+        categories.setdefault(entry["category"], []).append(entry)
+    return [group[i] for i in range(n) for group in categories.values() if i < len(group)]
 
 
 def run_bench(
@@ -139,8 +149,55 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "kl_mean": statistics.mean(kls) if kls else None,
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
+            "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,
         }
     return summary
+
+
+# In memory-bound decoding (GPUs, Apple Silicon) a forward pass costs about the time to read the
+# weights, so verifying a few tokens costs about one token; 1.1 leaves room for the attention and
+# logits work that does grow with the batch.
+MEMORY_BOUND_VERIFY_RATIO = 1.1
+
+
+def project_memory_bound(summary: dict[str, dict], draft_cost_ratio: float) -> None:
+    """Add the speedup each variant's measured acceptance would give where verification is
+    memory-bound:  tokens per verifier call / (mean drafted tokens per step × c + v),
+    c = draft/target cost of one token (≈ the ratio of their weight bytes), v = verify/decode cost."""
+    for entry in summary.values():
+        drafted = entry["mean_draft_length"] if entry["drafter"] != "lookup" else 0.0
+        entry["projected_speedup_memory_bound"] = entry["tokens_per_verifier_call"] / (
+            drafted * draft_cost_ratio + (MEMORY_BOUND_VERIFY_RATIO if entry["method"] != "none" else 1.0)
+        )
+
+
+def measure_costs(engine: Engine, max_batch: int = 9, repeats: int = 3) -> dict:
+    """This machine's cost curve: target verify ms for batches of 1..max_batch tokens after a
+    short context, and the draft's ms per single token (medians)."""
+    context = engine.target.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+    verify = {}
+    for n in range(1, max_batch + 1):
+        times = []
+        for _ in range(repeats):
+            engine.target.reset()
+            engine.target.decode(context, output_rows=())
+            start = time.perf_counter()
+            engine.target.decode(context[:n], output_rows=range(n))
+            times.append((time.perf_counter() - start) * 1000)
+        verify[n] = statistics.median(times)
+    draft_ms = None
+    if engine.draft is not None:
+        engine.draft.reset()
+        engine.draft.decode(context, output_rows=())
+        times = []
+        for token in context[: repeats * 2]:
+            start = time.perf_counter()
+            engine.draft.decode([token])
+            times.append((time.perf_counter() - start) * 1000)
+        draft_ms = statistics.median(times)
+        engine.draft.reset()
+    engine.target.reset()
+    return {"verify_ms": verify, "draft_ms": draft_ms}
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
@@ -152,7 +209,7 @@ def markdown_table(summary: dict[str, dict]) -> str:
     header = (
         "| method | AL (accepted drafts / verifier call) | tokens / verifier call | tok/s (median) | "
         "speedup vs none: median (min–max) | draft / verify / overhead ms per step | mean KL | "
-        "draft lengths |\n|---|---|---|---|---|---|---|---|\n"
+        "draft lengths | projected speedup, memory-bound |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for label, s in summary.items():
@@ -163,10 +220,13 @@ def markdown_table(summary: dict[str, dict]) -> str:
         )
         kl = f"{s['kl_mean']:.4f}" if s["kl_mean"] is not None else "–"
         lengths = ", ".join(f"{k}: {n}" for k, n in s["draft_length_histogram"].items())
+        projected = s.get("projected_speedup_memory_bound")
+        projected = f"{projected:.2f}" if projected is not None else "–"
         lines.append(
             f"| {label} | {s['acceptance_length']:.2f} | {s['tokens_per_verifier_call']:.2f} | "
             f"{s['tokens_per_second']:.2f} | {speedup} | {s['draft_ms_per_step']:.0f} / "
-            f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {lengths} |"
+            f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {lengths} | "
+            f"{projected} |"
         )
     return header + "\n".join(lines) + "\n"
 

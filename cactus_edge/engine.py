@@ -29,7 +29,6 @@ METHODS = ("cactus", "sps", "tas", "exact", "none")
 DRAFTERS = ("model", "lookup", "model+lookup")
 MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
-PROBE_EVERY = 16  # with `auto`, every this many steps try one token more than the policy says
 FINISH_REASONS = ("stop", "length", "cancelled")
 
 
@@ -328,19 +327,21 @@ class Engine:
 
     # --- prompts -------------------------------------------------------------------------------
 
+    def _special_text(self, token: int) -> str:
+        return self.target.detokenize([token], special=True) if token >= 0 else ""
+
     def render(self, messages: list[dict[str, str]]) -> str:
-        bos = (
-            self.target.detokenize([self.target.bos_token], special=True)
-            if self.target.bos_token >= 0
-            else ""
+        return render_chat(
+            messages,
+            self.target.chat_template,
+            bos_token=self._special_text(self.target.bos_token),
+            eos_token=self._special_text(self.target.eos_token),
         )
-        eos = self.target.detokenize([self.target.eos_token], special=True)
-        return render_chat(messages, self.target.chat_template, bos_token=bos, eos_token=eos)
 
     def tokenize_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        bos = self.target.detokenize([self.target.bos_token], special=True) if self.target.add_bos else ""
+        bos = self._special_text(self.target.bos_token) if self.target.add_bos else ""
         # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
         add_special = not (chat and bos and prompt.startswith(bos))
         return self.target.tokenize(prompt, add_special=add_special, parse_special=chat)
@@ -433,6 +434,7 @@ class _Generation:
         self.detokenizer = Detokenizer(self.target)
         self.stop_filter = _StopFilter(config.stop)
         self.n_generated = 0
+        self.probing: AcceptanceTracker | None = None  # set when this step is a probe
 
     def models(self) -> list[LlamaModel]:
         return [m for m in (self.target, self.draft) if m is not None]
@@ -513,12 +515,14 @@ class _Generation:
         if not self.config.auto or room == 0:
             return room
         costs = self.engine.costs
-        if not costs.ready:
+        if not costs.verify_ms_by_size or (drafter == "model" and costs.draft_ms is None):
             return min(room, 4)  # measure something first
-        draft_ms = costs.draft_ms if drafter == "model" else 0.0
-        k = choose_draft_length(self.tracker(drafter).rates, draft_ms, costs.verify_ms, room)
-        if self.stats.n_verifier_calls % PROBE_EVERY == PROBE_EVERY - 1:
-            k = min(room, max(k + 1, 2))  # re-probe: acceptance and costs drift with the text
+        draft_ms = costs.draft_ms if drafter == "model" else 0.0  # a lookup costs no decode
+        tracker = self.tracker(drafter)
+        k = choose_draft_length(tracker.rates, draft_ms, costs.verify_ms, room)
+        if tracker.should_probe():
+            self.probing = tracker
+            k = min(room, max(k + 1, 2))
         return k
 
     def step(self) -> tuple[list[int], list[bool]]:
@@ -542,6 +546,9 @@ class _Generation:
             emitted = [*draft_tokens[:n_accepted], verdict.next_token]
             kl = self.fidelity(draft_rows, target_rows, n_decided)
             self.tracker(drafter).record(verdict.acceptance_probs)
+        if self.probing is not None:
+            self.probing.record_probe(n_accepted)
+            self.probing = None
         self.committed += emitted
         base = len(self.committed) - len(emitted)
         self.target.truncate(base + n_accepted)

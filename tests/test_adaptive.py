@@ -78,3 +78,17 @@ def test_lookup_proposals_are_point_masses():
     rows = point_mass_rows([7, 9], vocab_size=20)
     assert [r.token_ids.tolist() for r in rows] == [[7], [9]]
     assert all(r.probs.tolist() == [1.0] and r.shape == (20,) for r in rows)
+
+
+def test_failed_probes_back_off_and_a_paying_probe_resets():
+    tracker = AcceptanceTracker(4)
+    due = [tracker.should_probe() for _ in range(32)]
+    assert due.count(True) == 2 and due[15] and due[31]
+    tracker.record_probe(0)
+    tracker.record_probe(0)
+    assert tracker.probe_every == 64
+    for _ in range(10):
+        tracker.record_probe(0)
+    assert tracker.probe_every == 256
+    tracker.record_probe(2)
+    assert tracker.probe_every == 16

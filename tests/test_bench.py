@@ -32,6 +32,7 @@ def test_bundled_prompts_cover_five_categories(tmp_path):
 
 def record(prompt, variant, tps, calls, tokens, accepted, kl=None, hist=None):
     return {
+        "n_drafted": 4 * calls if variant != "none" else 0,
         "prompt": prompt,
         "category": "x",
         "variant": variant,

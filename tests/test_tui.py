@@ -3,12 +3,12 @@
 import time
 
 import pytest
-from cactus_edge.tui import CactusChatApp
-from cactus_edge.tui import app as app_module
-from cactus_edge.tui.widgets import AssistantMessage, StatusBar, UserMessage
 
 from cactus_edge.engine import Engine, GenerationConfig, GenerationStats, StreamEvent
 from cactus_edge.errors import CactusEdgeError, ContextLengthError
+from cactus_edge.tui import CactusChatApp
+from cactus_edge.tui import app as app_module
+from cactus_edge.tui.widgets import AssistantMessage, StatusBar, UserMessage
 
 SCRIPT = [("Hello", False), (" there", True), (",", True), (" friend", False), ("!", True)]
 

@@ -85,22 +85,25 @@ class StatusBar(Static):
     """Live figures of the current reply."""
 
     def show(self, config, stats=None, streaming: bool = False) -> None:
-        """One line that fits 80 columns: settings, then the live figures of the reply."""
+        """One line that fits 80 columns: the method, then the live figures of the reply (or the
+        sampling settings between replies)."""
         method = f"cactus δ={config.delta:g}" if config.method == "cactus" else config.method
-        parts = [method, f"k={config.n_draft}"]
+        draft_length = f"k={config.n_draft}"
+        if config.n_draft == "auto" and stats is not None and stats.steps:
+            draft_length += f"({stats.steps[-1].n_draft})"  # what auto chose last
+        parts = [method, draft_length]
         if config.drafter != "model":
             parts.append(config.drafter)
-        parts.append(f"T={config.temperature:g}")
         if stats is not None and stats.n_verifier_calls:
             parts += [
                 f"{stats.tokens_per_second:.1f} tok/s",
                 f"AL {stats.acceptance_length:.2f}",
-                f"{stats.n_tokens - stats.n_verifier_calls} calls saved",
+                f"saved {stats.n_tokens - stats.n_verifier_calls} calls",
             ]
-            if config.n_draft == "auto" and stats.steps:
-                parts.append(f"k now {stats.steps[-1].n_draft}")
             if stats.kl_mean is not None and config.method in ("cactus", "tas"):
                 parts.append(f"KL {stats.kl_mean:.3f}")
+        else:
+            parts.append(f"T={config.temperature:g} top-k {config.top_k} top-p {config.top_p:g}")
         if streaming:
             parts.append("esc stops")
         self.update(" · ".join(parts))

@@ -1,0 +1,95 @@
+"""HumanEval plumbing on a 2-problem subset: code extraction, the sandbox (incl. its timeout),
+resumable output, the report's statistics."""
+
+import json
+
+import pytest
+
+from cactus_edge.bench import Variant
+from cactus_edge.engine import GenerationResult, GenerationStats
+from cactus_edge.evaluate import (
+    evaluate,
+    extract_code,
+    load_problems,
+    mcnemar_pvalue,
+    report,
+    run_tests,
+    wilson_interval,
+)
+
+PROBLEMS = [
+    {
+        "task_id": "Tiny/0",
+        "prompt": 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs."""\n',
+        "entry_point": "total",
+        "test": (
+            "def check(candidate):\n    assert candidate([1, 2, 3]) == 6\n    assert candidate([]) == 0\n"
+        ),
+    },
+    {
+        "task_id": "Tiny/1",
+        "prompt": 'def double(x):\n    """Twice x."""\n',
+        "entry_point": "double",
+        "test": "def check(candidate):\n    assert candidate(4) == 8\n",
+    },
+]
+
+
+@pytest.fixture
+def problems_file(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    return path
+
+
+def test_code_block_replies_and_bare_bodies_both_run(problems_file):
+    problems = load_problems(problems_file)
+    reply = "Sure:\n```python\ndef total(xs):\n    return sum(xs)\n```\nDone."
+    assert run_tests(problems[0], extract_code(problems[0], reply)).passed
+    assert run_tests(problems[1], extract_code(problems[1], "    return 2 * x\n")).passed
+    wrong = run_tests(problems[1], extract_code(problems[1], "```python\ndef double(x):\n    return x\n```"))
+    assert not wrong.passed and "AssertionError" in wrong.detail
+
+
+def test_sandbox_times_out_and_is_isolated(problems_file):
+    problem = load_problems(problems_file)[1]
+    looping = "```python\ndef double(x):\n    while True:\n        pass\n```"
+    assert run_tests(problem, extract_code(problem, looping), timeout=1.0).detail == "timeout"
+    reads_env = (
+        "```python\nimport os\ndef double(x):\n    assert 'HOME' not in os.environ\n    return 2 * x\n```"
+    )
+    assert run_tests(problem, extract_code(problem, reads_env)).passed  # a clean environment
+
+
+class ScriptedEngine:
+    """Answers every problem with a fixed reply per method; counts generations."""
+
+    def __init__(self, replies):
+        self.replies, self.calls = replies, 0
+
+    def chat(self, messages, config):
+        self.calls += 1
+        stats = GenerationStats(method=config.method, n_tokens=10, n_verifier_calls=4, n_accepted=6)
+        return GenerationResult(self.replies[config.method], [], "stop", stats)
+
+
+def test_evaluation_is_resumable_and_reported(problems_file, tmp_path):
+    problems = load_problems(problems_file)[1:]
+    variants = [Variant("sps", n_draft=4), Variant("tas", n_draft=4)]
+    engine = ScriptedEngine({"sps": "    return 2 * x\n", "tas": "    return x + 1\n"})
+    out = tmp_path / "samples.jsonl"
+    settings = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    records = list(evaluate(engine, problems, variants, settings, out))
+    assert [r["passed"] for r in records] == [True, False]
+    assert list(evaluate(engine, problems, variants, settings, out)) == []  # resumed: nothing left
+    assert engine.calls == 2
+    table = report(out, variants)
+    assert "| sps k=4 | 1.000 (1/1) |" in table and "| tas k=4 | 0.000 (0/1) |" in table
+
+
+def test_interval_and_paired_test():
+    low, high = wilson_interval(40, 100)
+    assert 0.30 < low < 0.31 and 0.49 < high < 0.50
+    assert mcnemar_pvalue(0, 0) == 1.0
+    assert mcnemar_pvalue(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_pvalue(5, 5) == 1.0
