@@ -26,6 +26,17 @@ class Variant:
     n_draft: int | str = "auto"
     drafter: str = "model"
 
+    def config(self, seed: int, **settings) -> GenerationConfig:
+        """The generation settings of this variant for one prompt."""
+        return GenerationConfig(
+            method=self.method,
+            delta=self.delta,
+            n_draft=self.n_draft,
+            drafter=self.drafter,
+            seed=seed,
+            **settings,
+        )
+
     @property
     def label(self) -> str:
         if self.method == "none":
@@ -94,14 +105,7 @@ def run_bench(
     records = []
     for index, entry in enumerate(prompts):
         for variant in variants:
-            config = GenerationConfig(
-                method=variant.method,
-                delta=variant.delta,
-                n_draft=variant.n_draft,
-                drafter=variant.drafter,
-                seed=index,
-                **settings,
-            )
+            config = variant.config(seed=index, **settings)
             result = engine.chat([{"role": "user", "content": entry["prompt"]}], config)
             stats = result.stats.summary()
             records.append(

@@ -23,13 +23,15 @@ from importlib import resources
 from pathlib import Path
 
 from .bench import Variant
-from .engine import GenerationConfig
 
 INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function in one "
     "```python code block.\n\n```python\n{prompt}```"
 )
-CODE_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
+# A fenced block; the closing fence may be missing (generation stops at it, or runs out of tokens).
+CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# Stop once the first code block closes: the explanation after it is not tested and costs minutes.
+STOP_AFTER_CODE = ("\n```\n",)
 
 
 def load_problems(path: str | Path | None = None) -> list[dict]:
@@ -154,14 +156,7 @@ def evaluate(
         for variant in variants:
             if (problem["task_id"], variant.label) in done:
                 continue
-            config = GenerationConfig(
-                method=variant.method,
-                delta=variant.delta,
-                n_draft=variant.n_draft,
-                drafter=variant.drafter,
-                seed=index,
-                **settings,
-            )
+            config = variant.config(seed=index, stop=STOP_AFTER_CODE, **settings)
             messages = [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])}]
             result = engine.chat(messages, config)
             outcome = run_tests(problem, extract_code(problem, result.text), timeout)

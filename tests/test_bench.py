@@ -100,3 +100,18 @@ def test_bench_command_on_the_tiny_pair(tiny_pair, tmp_path):
     assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
     assert set(data["summary"]) == {"none", "sps k=3", "cactus δ=0.5 k=3"}
     assert "| none |" in (out / "bench.md").read_text()
+
+
+def test_per_category_takes_the_first_of_each_round_robin():
+    prompts = [{"category": c, "prompt": f"{c}{i}"} for c in ("a", "b", "c") for i in range(3)]
+    from cactus_edge.bench import per_category
+
+    assert [p["prompt"] for p in per_category(prompts, 2)] == ["a0", "b0", "c0", "a1", "b1", "c1"]
+    config = Variant("cactus", 0.5, "auto", "lookup").config(seed=3, max_tokens=9)
+    assert (config.method, config.delta, config.n_draft, config.drafter, config.seed) == (
+        "cactus",
+        0.5,
+        "auto",
+        "lookup",
+        3,
+    )
