@@ -98,7 +98,7 @@ class StatusBar(Static):
             parts += [
                 f"{stats.tokens_per_second:.1f} tok/s",
                 f"AL {stats.acceptance_length:.2f}",
-                f"saved {stats.n_tokens - stats.n_verifier_calls} calls",
+                f"calls saved: {stats.n_tokens - stats.n_verifier_calls}",
             ]
             if stats.kl_mean is not None and config.method in ("cactus", "tas"):
                 parts.append(f"KL {stats.kl_mean:.3f}")
