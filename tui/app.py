@@ -87,14 +87,15 @@ class LoadingScreen(Screen):
 
 
 class ChatScreen(Screen):
+    # The actions live on the app (the conversation is the app's state); the screen binds keys.
     BINDINGS = [
-        Binding("escape", "stop", "stop"),
-        Binding("ctrl+n", "new_chat", "new chat"),
-        Binding("ctrl+r", "regenerate", "regenerate"),
-        Binding("ctrl+y", "copy_reply", "copy reply"),
-        Binding("ctrl+t", "toggle_acceptance", "acceptance view"),
-        Binding("ctrl+s", "save", "save"),
-        Binding("f1", "help", "help"),
+        Binding("escape", "app.stop_generation", "stop"),
+        Binding("ctrl+n", "app.new_chat", "new chat"),
+        Binding("ctrl+r", "app.regenerate", "regenerate"),
+        Binding("ctrl+y", "app.copy_last_reply", "copy reply"),
+        Binding("ctrl+t", "app.toggle_acceptance_view", "acceptance view"),
+        Binding("ctrl+s", "app.save_conversation", "save"),
+        Binding("f1", "app.help", "help"),
     ]
 
     def compose(self) -> ComposeResult:
@@ -109,29 +110,6 @@ class ChatScreen(Screen):
         self.query_one("#legend").display = self.app.acceptance_view
         self.query_one(StatusBar).show(self.app.config)
         self.query_one(Input).focus()
-
-    # --- actions -------------------------------------------------------------------------------
-
-    def action_stop(self) -> None:
-        self.app.stop_generation()
-
-    def action_new_chat(self) -> None:
-        self.app.new_chat()
-
-    def action_regenerate(self) -> None:
-        self.app.regenerate()
-
-    def action_copy_reply(self) -> None:
-        self.app.copy_last_reply()
-
-    def action_toggle_acceptance(self) -> None:
-        self.app.toggle_acceptance_view()
-
-    def action_save(self) -> None:
-        self.app.save_conversation()
-
-    def action_help(self) -> None:
-        self.app.push_screen(HelpScreen())
 
     @on(Input.Submitted, "#prompt")
     def submitted(self, event: Input.Submitted) -> None:
@@ -192,6 +170,9 @@ class CactusChatApp(App):
         self.engine = engine
         self.pop_screen()
         self.push_screen(ChatScreen())
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
 
     def _load_failed(self, error: Exception) -> None:
         from cactus_edge.errors import ModelNotFetchedError
@@ -305,18 +286,18 @@ class CactusChatApp(App):
             self.notify(f"Generation failed: {message.error}", severity="error", timeout=10)
         self.screen.query_one(StatusBar).show(self.config)
 
-    def stop_generation(self) -> None:
+    def action_stop_generation(self) -> None:
         if self.generating:
             self.cancel.set()
 
-    def new_chat(self) -> None:
-        self.stop_generation()
+    def action_new_chat(self) -> None:
+        self.action_stop_generation()
         self.messages.clear()
         self.replies.clear()
         self.conversation.remove_children()
         self._current = None
 
-    def regenerate(self) -> None:
+    def action_regenerate(self) -> None:
         if self.generating or not self.messages or self.messages[-1]["role"] != "assistant":
             return
         self.messages.pop()
@@ -324,12 +305,12 @@ class CactusChatApp(App):
         self.conversation.query(AssistantMessage).last().remove()
         self.start_reply()
 
-    def copy_last_reply(self) -> None:
+    def action_copy_last_reply(self) -> None:
         if self.replies:
             self.copy_to_clipboard(self.replies[-1].text)
             self.notify("Copied the last reply.")
 
-    def toggle_acceptance_view(self) -> None:
+    def action_toggle_acceptance_view(self) -> None:
         self.acceptance_view = not self.acceptance_view
         for message in self.screen.query(AssistantMessage):
             message.set_acceptance_view(self.acceptance_view)
@@ -356,10 +337,10 @@ class CactusChatApp(App):
             "drafter": lambda: self.set_config(drafter=argument),
             "temp": lambda: self.set_config(temperature=float(argument)),
             "system": lambda: self.set_system(argument),
-            "help": lambda: self.push_screen(HelpScreen()),
-            "new": self.new_chat,
+            "help": self.action_help,
+            "new": self.action_new_chat,
             "drop": self.drop_oldest,
-            "save": lambda: self.save_conversation(argument or None),
+            "save": lambda: self.action_save_conversation(argument or None),
             "load": lambda: self.load_conversation(argument or None),
             "export": lambda: self.export_markdown(argument or None),
         }
@@ -393,7 +374,7 @@ class CactusChatApp(App):
 
     # --- files ---------------------------------------------------------------------------------
 
-    def save_conversation(self, name: str | None = None) -> Path:
+    def action_save_conversation(self, name: str | None = None) -> Path:
         folder = conversations_dir()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{name or time.strftime('%Y%m%d-%H%M%S')}.json"
