@@ -509,6 +509,13 @@ def bench(
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "bench.md").write_text(table)
+    try:
+        from .plots import plot_bench
+
+        for path in plot_bench(summary, folder):
+            click.echo(f"wrote {path}", err=True)
+    except ImportError:
+        click.echo("no plots: pip install 'cactus-edge[plots]'", err=True)
     settings_out = {**settings, "pair": pair, "draft": draft, "target": target, "n_ctx": n_ctx}
     (folder / "bench.json").write_text(
         json.dumps({"settings": settings_out, "summary": summary, "costs": costs, "runs": records}, indent=2)

@@ -100,6 +100,8 @@ def test_bench_command_on_the_tiny_pair(tiny_pair, tmp_path):
     assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
     assert set(data["summary"]) == {"none", "sps k=3", "cactus δ=0.5 k=3"}
     assert "| none |" in (out / "bench.md").read_text()
+    for plot in ("acceptance_vs_delta.png", "acceptance_by_position.png"):
+        assert (out / plot).read_bytes().startswith(b"\x89PNG")
 
 
 def test_per_category_takes_the_first_of_each_round_robin():

@@ -1,0 +1,59 @@
+"""PNG plots of a bench summary (matplotlib, the optional `plots` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
+    """acceptance_vs_delta.png (AL and speedup of Cactus against delta; SpS plotted at delta 0, as
+    Cactus(0) is SpS) and acceptance_by_position.png. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    groups: dict[tuple, list[tuple[float, dict]]] = {}
+    for entry in summary.values():
+        if entry["method"] in ("cactus", "sps"):
+            key = (entry["n_draft"], entry["drafter"])
+            delta = entry["delta"] if entry["method"] == "cactus" else 0.0
+            groups.setdefault(key, []).append((delta, entry))
+    if groups:
+        figure, (al_axis, speed_axis) = plt.subplots(1, 2, figsize=(10, 4))
+        for (n_draft, drafter), points in sorted(groups.items(), key=str):
+            points.sort(key=lambda point: point[0])
+            deltas = [delta for delta, _ in points]
+            label = f"k={n_draft}" + ("" if drafter == "model" else f" {drafter}")
+            al_axis.plot(deltas, [e["acceptance_length"] for _, e in points], marker="o", label=label)
+            speed_axis.plot(deltas, [e["speedup_median"] for _, e in points], marker="o", label=label)
+        al_axis.set(xlabel="delta (0 = SpS)", ylabel="AL (accepted drafts / verifier call)")
+        speed_axis.set(xlabel="delta (0 = SpS)", ylabel="speedup vs none (median)")
+        speed_axis.axhline(1.0, color="grey", linewidth=0.8)
+        for axis in (al_axis, speed_axis):
+            axis.grid(alpha=0.3)
+            axis.legend()
+        figure.tight_layout()
+        written.append(_save(figure, out_dir / "acceptance_vs_delta.png"))
+        plt.close(figure)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for label, entry in summary.items():
+        rates = entry.get("acceptance_by_position") or []
+        if rates:
+            axis.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+    axis.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05))
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    written.append(_save(figure, out_dir / "acceptance_by_position.png"))
+    plt.close(figure)
+    return written
+
+
+def _save(figure, path: Path) -> Path:
+    temporary = path.with_suffix(".tmp.png")
+    figure.savefig(temporary, dpi=110)
+    temporary.replace(path)
+    return path
