@@ -100,7 +100,10 @@ def run_bench(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
     """One record per (prompt, variant): the generation's statistics, plus which prompt/variant."""
-    warm = GenerationConfig(**{**settings, "max_tokens": 8}, method="sps", n_draft=2)
+    # Warm both models if both are loaded (a lookup-only bench loads no draft model).
+    warm = GenerationConfig(
+        **{**settings, "max_tokens": 8}, method="sps" if engine.draft else "none", n_draft=2
+    )
     engine.chat([{"role": "user", "content": "Hello"}], warm)  # load pages, build graphs
     records = []
     for index, entry in enumerate(prompts):

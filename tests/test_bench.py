@@ -117,3 +117,30 @@ def test_per_category_takes_the_first_of_each_round_robin():
         "lookup",
         3,
     )
+
+
+def test_lookup_only_bench_loads_no_draft_model(tiny_pair, tmp_path):
+    args = [
+        "bench",
+        "--draft",
+        str(tiny_pair[0]),
+        "--target",
+        str(tiny_pair[1]),
+        "--n-ctx",
+        "512",
+        "--methods",
+        "none,sps",
+        "--n-draft",
+        "3",
+        "--drafters",
+        "lookup",
+        "--limit",
+        "1",
+        "--max-tokens",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert set(json.loads((tmp_path / "bench.json").read_text())["summary"]) == {"none", "sps k=3 [lookup]"}
