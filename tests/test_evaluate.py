@@ -93,3 +93,46 @@ def test_interval_and_paired_test():
     assert mcnemar_pvalue(0, 0) == 1.0
     assert mcnemar_pvalue(10, 0) == pytest.approx(2 / 1024)
     assert mcnemar_pvalue(5, 5) == 1.0
+
+
+def test_eval_command_on_the_tiny_pair(tiny_pair, problems_file, tmp_path):
+    """End to end through the real engine: the tiny random model writes junk, which the sandbox
+    runs and fails; the report and the resumable JSONL are still complete."""
+    from click.testing import CliRunner
+
+    from cactus_edge.cli import main
+
+    out = tmp_path / "he.jsonl"
+    args = [
+        "eval",
+        "humaneval",
+        "--draft",
+        str(tiny_pair[0]),
+        "--target",
+        str(tiny_pair[1]),
+        "--n-ctx",
+        "512",
+        "--methods",
+        "none,sps,cactus",
+        "--deltas",
+        "1.0",
+        "--n-draft",
+        "3",
+        "--problems",
+        str(problems_file),
+        "--max-tokens",
+        "16",
+        "--timeout",
+        "5",
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["task_id"], r["variant"]) for r in records] == [
+        (task, variant) for task in ("Tiny/0", "Tiny/1") for variant in ("none", "sps k=3", "cactus δ=1 k=3")
+    ]
+    assert "| sps k=3 |" in out.with_suffix(".md").read_text()
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and len(out.read_text().splitlines()) == 6  # resumed, nothing redone
