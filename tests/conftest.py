@@ -31,6 +31,12 @@ def tiny_pair(tiny_dir) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def tiny_args(tiny_pair) -> list[str]:
+    """CLI flags that select the tiny pair."""
+    return ["--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]), "--n-ctx", "512"]
+
+
+@pytest.fixture(scope="session")
 def tiny_mismatch(tiny_dir) -> Path:
     """A model whose vocabulary differs from the tiny pair's."""
     return write_tiny_llama(tiny_dir / "tiny-other-vocab.gguf", seed=3, words=MISMATCH_WORDS)

@@ -70,26 +70,13 @@ def test_summary_speedups_are_per_prompt_ratios_to_none():
     assert "| sps k=4 | 2.00 | 3.00 | 12.50 | 1.00 (0.50–1.50) |" in table
 
 
-def test_bench_command_on_the_tiny_pair(tiny_pair, tmp_path):
+def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
     out = tmp_path / "out"
     args = [
         "bench",
-        "--draft",
-        str(tiny_pair[0]),
-        "--target",
-        str(tiny_pair[1]),
-        "--n-ctx",
-        "512",
-        "--methods",
-        "none,sps,cactus",
-        "--deltas",
-        "0.5",
-        "--n-draft",
-        "3",
-        "--limit",
-        "2",
-        "--max-tokens",
-        "12",
+        *tiny_args,
+        *["--methods", "none,sps,cactus", "--deltas", "0.5", "--n-draft", "3"],
+        *["--limit", "2", "--max-tokens", "12"],
         "--out",
         str(out),
     ]
@@ -119,25 +106,12 @@ def test_per_category_takes_the_first_of_each_round_robin():
     )
 
 
-def test_lookup_only_bench_loads_no_draft_model(tiny_pair, tmp_path):
+def test_lookup_only_bench_loads_no_draft_model(tiny_args, tmp_path):
     args = [
         "bench",
-        "--draft",
-        str(tiny_pair[0]),
-        "--target",
-        str(tiny_pair[1]),
-        "--n-ctx",
-        "512",
-        "--methods",
-        "none,sps",
-        "--n-draft",
-        "3",
-        "--drafters",
-        "lookup",
-        "--limit",
-        "1",
-        "--max-tokens",
-        "8",
+        *tiny_args,
+        *["--methods", "none,sps", "--n-draft", "3", "--drafters", "lookup"],
+        *["--limit", "1", "--max-tokens", "8"],
         "--out",
         str(tmp_path),
     ]

@@ -95,7 +95,7 @@ def test_interval_and_paired_test():
     assert mcnemar_pvalue(5, 5) == 1.0
 
 
-def test_eval_command_on_the_tiny_pair(tiny_pair, problems_file, tmp_path):
+def test_eval_command_on_the_tiny_pair(tiny_args, problems_file, tmp_path):
     """End to end through the real engine: the tiny random model writes junk, which the sandbox
     runs and fails; the report and the resumable JSONL are still complete."""
     from click.testing import CliRunner
@@ -106,24 +106,11 @@ def test_eval_command_on_the_tiny_pair(tiny_pair, problems_file, tmp_path):
     args = [
         "eval",
         "humaneval",
-        "--draft",
-        str(tiny_pair[0]),
-        "--target",
-        str(tiny_pair[1]),
-        "--n-ctx",
-        "512",
-        "--methods",
-        "none,sps,cactus",
-        "--deltas",
-        "1.0",
-        "--n-draft",
-        "3",
+        *tiny_args,
+        *["--methods", "none,sps,cactus", "--deltas", "1.0", "--n-draft", "3"],
         "--problems",
         str(problems_file),
-        "--max-tokens",
-        "16",
-        "--timeout",
-        "5",
+        *["--max-tokens", "16", "--timeout", "5"],
         "--out",
         str(out),
     ]
