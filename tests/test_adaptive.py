@@ -64,7 +64,7 @@ def test_acceptance_tracker_moves_towards_observed_probabilities():
     [
         ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),  # trigram match
         ([9, 1, 2, 7, 8, 3, 1, 2], 2, [7, 8]),  # bigram match
-        ([4, 5, 6, 7, 5], 4, [6, 7, 5]),  # unigram: proposes what followed, to the end
+        ([4, 5, 6, 7, 5], 4, []),  # a lone unigram match is not used by default
         ([1, 2, 3, 1, 2, 3, 4, 1, 2, 3], 2, [4, 1]),  # the most recent occurrence wins
         ([5, 6, 7], 3, []),  # nothing recurs
         ([1, 2, 1], 0, []),
@@ -72,6 +72,10 @@ def test_acceptance_tracker_moves_towards_observed_probabilities():
 )
 def test_lookup_matcher_on_crafted_contexts(context, n, expected):
     assert lookup_continuation(context, n) == expected
+
+
+def test_unigram_matches_on_request():
+    assert lookup_continuation([4, 5, 6, 7, 5], 4, min_ngram=1) == [6, 7, 5]
 
 
 def test_lookup_proposals_are_point_masses():
