@@ -40,12 +40,16 @@ def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
         plt.close(figure)
     figure, axis = plt.subplots(figsize=(6, 4))
     for label, entry in summary.items():
-        rates = entry.get("acceptance_by_position") or []
-        if rates:
-            axis.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+        # Positions never tried have no rate (None): plot what was measured.
+        points = [
+            (i + 1, r) for i, r in enumerate(entry.get("acceptance_by_position") or []) if r is not None
+        ]
+        if points:
+            axis.plot(*zip(*points, strict=True), marker="o", label=label)
     axis.set(xlabel="draft position", ylabel="P(accept | reached)", ylim=(0, 1.05))
     axis.grid(alpha=0.3)
-    axis.legend(fontsize="small")
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize="small")
     figure.tight_layout()
     written.append(_save(figure, out_dir / "acceptance_by_position.png"))
     plt.close(figure)
