@@ -29,7 +29,6 @@ METHODS = ("cactus", "sps", "tas", "exact", "none")
 DRAFTERS = ("model", "lookup", "model+lookup")
 MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
-FINISH_REASONS = ("stop", "length", "cancelled")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ __all__ = [
     "row_support",
     "row_prob",
     "to_dense",
-    "stack_rows",
 ]
 
 
@@ -101,15 +100,6 @@ ProbRows = np.ndarray | SparseProbs
 
 def to_dense(rows: ProbRows) -> np.ndarray:
     return rows.to_dense() if isinstance(rows, SparseProbs) else np.asarray(rows, dtype=np.float64)
-
-
-def stack_rows(rows: list[ProbRows]) -> ProbRows:
-    """Stack single rows from :func:`process_logits` (same settings) into (n, V) rows."""
-    if all(isinstance(r, SparseProbs) for r in rows) and len({r.token_ids.shape for r in rows}) == 1:
-        return SparseProbs(
-            np.stack([r.token_ids for r in rows]), np.stack([r.probs for r in rows]), rows[0].vocab_size
-        )
-    return np.stack([to_dense(r) for r in rows])
 
 
 def row_support(row: ProbRows) -> tuple[np.ndarray, np.ndarray]:
