@@ -3,11 +3,13 @@
 Before each step the engine asks for the k (0 allowed: plain decoding) that maximises expected
 tokens per second,
 
-    E[tokens | k] / (k · draft_ms + verify_ms(k + 1)),   E[tokens | k] = 1 + Σ_{j=1..k} Π_{i<j} α_i
+    E[tokens | k] / (draft_ms(k) + verify_ms(k + 1)),   E[tokens | k] = 1 + Σ_{j=1..k} Π_{i<j} α_i
 
 where α_i is the running estimate of P(accept position i | positions before it were accepted).
-Costs are running averages measured by the engine itself, so the same code picks long drafts on
-a GPU (verification nearly free) and short or no drafts on a 2-core CPU.
+Costs are running averages, per batch size, measured by the engine itself, so the same code picks
+long drafts on a GPU (verification nearly free) and short or no drafts on a 2-core CPU. draft_ms(k)
+is not k single decodes in general: the first draft decode also feeds the tokens the draft skipped
+while k was 0, and a lookup guess lets one batch decode produce several draft rows.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ SMOOTHING = 0.2  # weight of a new measurement in the moving averages
 PRIOR_ACCEPTANCE = 0.6  # optimistic, so speculation is tried before anything is measured
 MIN_PROBE_INTERVAL = 16  # steps between probes (one token more than the policy says)…
 MAX_PROBE_INTERVAL = 256  # …doubling up to this while probes keep failing
+# Draft only when the expected rate beats plain decoding by this fraction: the estimates are
+# moving averages of noisy timings, and a step also costs what they leave out (sampling, lookup).
+SPECULATION_MARGIN = 0.05
 
 
 def expected_tokens(acceptance: np.ndarray, n_draft: int) -> float:
@@ -32,45 +37,54 @@ def expected_tokens(acceptance: np.ndarray, n_draft: int) -> float:
     return 1.0 + float(np.sum(np.cumprod(acceptance[:n_draft])))
 
 
-def choose_draft_length(acceptance: np.ndarray, draft_ms: float, verify_ms, max_draft: int) -> int:
-    """The k in 0..max_draft maximising expected tokens per millisecond.
+def choose_draft_length(
+    acceptance: np.ndarray, draft_ms, verify_ms, max_draft: int, margin: float = 0.0
+) -> int:
+    """The k in 0..max_draft maximising expected tokens per millisecond; a k > 0 must also beat
+    plain decoding by ``margin`` (a fraction), or k = 0.
 
+    draft_ms: callable k → milliseconds to draft k tokens (k ≥ 1), catch-up included.
     verify_ms: callable n → milliseconds to verify a batch of n tokens.
     """
-    best_k, best_rate = 0, 1.0 / verify_ms(1)
+    best_k, best_rate = 0, (1.0 + margin) / verify_ms(1)
     for k in range(1, max_draft + 1):
-        rate = expected_tokens(acceptance, k) / (k * draft_ms + verify_ms(k + 1))
+        rate = expected_tokens(acceptance, k) / (draft_ms(k) + verify_ms(k + 1))
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
 
 
-@dataclass
-class CostModel:
-    """Running averages of what decoding costs on this machine, per engine."""
+def could_pay(n_draft: int, draft_ms, verify_ms, margin: float = 0.0) -> bool:
+    """Whether drafting n_draft tokens could beat plain decoding if every draft were accepted.
+    When not, a probe cannot show that speculation pays, so it is not worth its cost."""
+    best_case = (n_draft + 1) / (draft_ms(n_draft) + verify_ms(n_draft + 1))
+    return best_case > (1.0 + margin) / verify_ms(1)
 
-    draft_ms: float | None = None  # one single-token draft decode
-    verify_ms_by_size: dict[int, float] = field(default_factory=dict)  # batch size → ms
+
+@dataclass
+class BatchCosts:
+    """Running average of one model's llama_decode milliseconds per batch size.
+
+    On a CPU a batch of n tokens costs a fixed part (reading the weights once) plus a per-token
+    part, and some sizes hit faster kernels than their neighbours (4 < 3 here), so measured sizes
+    are used as measured and only unmeasured sizes come from a fitted line."""
+
+    by_size: dict[int, float] = field(default_factory=dict)
     _line: tuple[float, float] | None = field(default=None, repr=False)  # fit cache, reset on record
 
-    def record_draft(self, ms: float) -> None:
-        self.draft_ms = ms if self.draft_ms is None else _blend(self.draft_ms, ms)
-
-    def record_verify(self, n_tokens: int, ms: float) -> None:
-        old = self.verify_ms_by_size.get(n_tokens)
-        self.verify_ms_by_size[n_tokens] = ms if old is None else _blend(old, ms)
+    def record(self, n_tokens: int, ms: float) -> None:
+        old = self.by_size.get(n_tokens)
+        self.by_size[n_tokens] = ms if old is None else _blend(old, ms)
         self._line = None
 
-    @property
-    def ready(self) -> bool:
-        """Both costs a model-drafted step needs have been measured."""
-        return self.draft_ms is not None and bool(self.verify_ms_by_size)
+    def __bool__(self) -> bool:
+        return bool(self.by_size)
 
-    def verify_ms(self, n_tokens: int) -> float:
-        """Measured cost of verifying n tokens, else a line through the measured sizes. With one
+    def __call__(self, n_tokens: int) -> float:
+        """Measured cost of a batch of n tokens, else a line through the measured sizes. With one
         size measured, other sizes are guessed to cost the same (the optimistic, memory-bound
         guess): speculation gets tried, is measured, and is dropped if it loses."""
-        table = self.verify_ms_by_size
+        table = self.by_size
         if n_tokens in table:
             return table[n_tokens]
         if len(table) == 1:
@@ -78,9 +92,39 @@ class CostModel:
         if self._line is None:
             sizes = np.array(sorted(table), dtype=np.float64)
             slope, intercept = np.polyfit(sizes, [table[int(s)] for s in sizes], 1)
-            self._line = (float(slope), float(intercept))
+            self._line = (max(float(slope), 0.0), float(intercept))
         slope, intercept = self._line
         return max(slope * n_tokens + intercept, 1e-3)
+
+
+@dataclass
+class CostModel:
+    """What decoding costs on this machine, per engine: draft and target batches by size."""
+
+    draft: BatchCosts = field(default_factory=BatchCosts)
+    verify: BatchCosts = field(default_factory=BatchCosts)
+
+    def record_draft(self, n_tokens: int, ms: float) -> None:
+        self.draft.record(n_tokens, ms)
+
+    def record_verify(self, n_tokens: int, ms: float) -> None:
+        self.verify.record(n_tokens, ms)
+
+    def verify_ms(self, n_tokens: int) -> float:
+        return self.verify(n_tokens)
+
+    @property
+    def ready(self) -> bool:
+        """Both costs a model-drafted step needs have been measured."""
+        return bool(self.draft) and bool(self.verify)
+
+    def model_draft_ms(self, n_draft: int, n_catch_up: int = 0, n_guided: int = 0) -> float:
+        """Milliseconds to draft n_draft tokens with the draft model: one decode per token, except
+        that the first decode also feeds the n_catch_up committed tokens the draft skipped while
+        k was 0, and the n_guided tokens of a lookup guess (one batch yields a row per guessed
+        token, used while the draft's samples follow the guess)."""
+        batched = min(n_draft - 1, n_guided)
+        return self.draft(n_catch_up + 1 + batched) + (n_draft - 1 - batched) * self.draft(1)
 
 
 @dataclass
@@ -104,13 +148,22 @@ class AcceptanceTracker:
         self.steps_since_probe = 0
         return True
 
-    def record_probe(self, n_accepted: int) -> None:
-        """A probe that accepted nothing doubles the wait before the next (a failed probe costs a
-        draft catch-up and a wider verify); one that paid resets it."""
-        if n_accepted:
+    def record_probe(self, paid: bool) -> None:
+        """A probe after which the policy still would not draft doubles the wait before the next
+        (a probe costs a draft catch-up and a wider verify); one that turned speculation back on
+        resets it."""
+        if paid:
             self.probe_every = MIN_PROBE_INTERVAL
         else:
             self.probe_every = min(2 * self.probe_every, MAX_PROBE_INTERVAL)
+
+    def record_lookup_outcome(self, followed: bool) -> None:
+        """A plain step that had a lookup guess: did the target's token follow it? Free evidence
+        about the first position of guided drafting (a draft fed the guess mostly follows it too,
+        so it is accepted about when the target follows), and the only evidence while k is 0.
+        Later positions learn from real drafts only: applied to all of them, this evidence made
+        `auto` draft 12 tokens where 3–6 were accepted."""
+        self.rates[0] = _blend(self.rates[0], 1.0 if followed else 0.0)
 
     def record(self, acceptance_probs: tuple[float, ...]) -> None:
         """Use the rule's acceptance probabilities (a lower-variance signal than 0/1 outcomes)."""

@@ -3,7 +3,9 @@
 State between steps is one list, ``committed`` (prompt + every emitted token). Each model's KV cache
 always holds a prefix of it; a step first feeds each model whatever committed tokens it has not
 seen (usually just the last emitted token; after a fully accepted block the draft also catches up
-on its last draft token), so rollback is a single truncate and nothing is ever decoded twice.
+on its last draft token, and after plain steps on every token it skipped), so rollback is a single
+truncate. The draft model may also be fed a lookup guess in the same batch; guessed tokens its
+samples do not follow are cut again before the step ends.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import AcceptanceRule, Cactus, make_rule, output_kl
-from .adaptive import AcceptanceTracker, CostModel, choose_draft_length
+from .adaptive import (
+    SPECULATION_MARGIN,
+    AcceptanceTracker,
+    CostModel,
+    choose_draft_length,
+    could_pay,
+)
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .chat import render_chat
 from .errors import ContextLengthError
@@ -433,7 +441,8 @@ class _Generation:
         self.detokenizer = Detokenizer(self.target)
         self.stop_filter = _StopFilter(config.stop)
         self.n_generated = 0
-        self.probing: AcceptanceTracker | None = None  # set when this step is a probe
+        self.probing: tuple | None = None  # (tracker, draft cost, room) when this step is a probe
+        self.guess: list[int] = []  # this step's lookup guess for the draft model
 
     def models(self) -> list[LlamaModel]:
         return [m for m in (self.target, self.draft) if m is not None]
@@ -509,20 +518,46 @@ class _Generation:
             self.engine.acceptance[key] = AcceptanceTracker(MAX_AUTO_DRAFT)
         return self.engine.acceptance[key]
 
-    def plan(self, room: int, drafter: str) -> int:
-        """How many tokens to draft this step."""
+    def plan(self, room: int, drafter: str, guess: Sequence[int] = ()) -> int:
+        """How many tokens to draft this step. drafter: "lookup", "model", or "model/guided" (the
+        draft model with a lookup guess to batch along; its acceptance is tracked apart, as
+        text that repeats earlier text is easier for both models).
+
+        The tokens the draft skipped while k was 0 are not charged to the step that resumes
+        drafting: they are owed whenever drafting resumes, and resuming later only makes the bill
+        longer and the speculation shorter. Whether to resume at all is the acceptance estimates'
+        call (for guided steps they also learn from plain steps: did the target follow the
+        guess?), and a probe is only made when it could pay with the catch-up counted.
+        """
         if not self.config.auto or room == 0:
             return room
         costs = self.engine.costs
-        if not costs.verify_ms_by_size or (drafter == "model" and costs.draft_ms is None):
+        if not costs.verify or (drafter != "lookup" and not costs.draft):
             return min(room, 4)  # measure something first
-        draft_ms = costs.draft_ms if drafter == "model" else 0.0  # a lookup costs no decode
+        draft_ms = self.draft_cost(drafter, len(guess))
         tracker = self.tracker(drafter)
-        k = choose_draft_length(tracker.rates, draft_ms, costs.verify_ms, room)
-        if tracker.should_probe():
-            self.probing = tracker
-            k = min(room, max(k + 1, 2))
+        k = choose_draft_length(tracker.rates, draft_ms, costs.verify_ms, room, SPECULATION_MARGIN)
+        probe_k = min(room, max(k + 1, 2))
+        probe_ms = self.draft_cost(drafter, len(guess), catch_up=True)
+        if tracker.should_probe() and could_pay(probe_k, probe_ms, costs.verify_ms, SPECULATION_MARGIN):
+            self.probing = (tracker, draft_ms, room)
+            k = probe_k
         return k
+
+    def draft_cost(self, drafter: str, n_guided: int, catch_up: bool = False):
+        """k → estimated ms to draft k tokens with this drafter (with the draft's catch-up)."""
+        if drafter == "lookup":
+            return lambda k: 0.0  # a lookup costs no decode
+        n_catch_up = len(self.committed) - 1 - self.draft.n_past if catch_up else 0
+        return lambda k: self.engine.costs.model_draft_ms(k, n_catch_up, n_guided)
+
+    def end_probe(self) -> None:
+        """After a probe's verification: did it turn speculation back on?"""
+        tracker, draft_ms, room = self.probing
+        verify_ms = self.engine.costs.verify_ms
+        next_k = choose_draft_length(tracker.rates, draft_ms, verify_ms, room, SPECULATION_MARGIN)
+        tracker.record_probe(paid=next_k > 0)
+        self.probing = None
 
     def step(self) -> tuple[list[int], list[bool]]:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
@@ -539,6 +574,8 @@ class _Generation:
         if n_draft == 0:
             emitted = [sample_token(target_rows[0], self.rng)]
             n_accepted, n_decided = 0, 0
+            if drafter == "model/guided":
+                self.tracker(drafter).record_lookup_outcome(emitted[0] == self.guess[0])
         else:
             verdict = self.rule.verify(np.array(draft_tokens), draft_rows, target_rows, self.rng)
             n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
@@ -546,15 +583,15 @@ class _Generation:
             kl = self.fidelity(draft_rows, target_rows, n_decided)
             self.tracker(drafter).record(verdict.acceptance_probs)
         if self.probing is not None:
-            self.probing.record_probe(n_accepted)
-            self.probing = None
+            self.end_probe()
         self.committed += emitted
         base = len(self.committed) - len(emitted)
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
         total_ms = (time.perf_counter() - step_start) * 1000
-        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl, drafter)
+        label = drafter.split("/")[0] if n_draft else "none"
+        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl, label)
         self.stats.draft_ms += draft_ms
         self.stats.verify_ms += verify_ms
         self.stats.decode_ms += total_ms
@@ -570,31 +607,54 @@ class _Generation:
             tokens = lookup_continuation(self.committed, n_lookup) if n_lookup else []
             if tokens or self.config.drafter == "lookup":
                 return tokens, point_mass_rows(tokens, self.target.vocab_size), 0.0, "lookup"
-        n_draft = self.plan(room, "model")
-        tokens, rows, ms = self.sample_draft(n_draft)
-        return tokens, rows, ms, "model" if tokens else "none"
+        guess = self.guess = lookup_continuation(self.committed, room - 1)
+        drafter = "model/guided" if guess else "model"
+        n_draft = self.plan(room, drafter, guess)
+        tokens, rows, ms = self.sample_draft(n_draft, guess)
+        return tokens, rows, ms, drafter
 
-    def sample_draft(self, n_draft: int) -> tuple[list[int], list, float]:
-        """Sample up to n_draft tokens from the draft model, one decode each, keeping every
-        processed row; stops early when the draft's own p(d) falls below p_min."""
+    def sample_draft(self, n_draft: int, guess: Sequence[int] = ()) -> tuple[list[int], list, float]:
+        """Sample up to n_draft tokens from the draft model, keeping every processed row; stops
+        early when the draft's own p(d) falls below p_min.
+
+        Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
+        batch decode of [unseen committed tokens] + guess yields the draft's row after each guessed
+        token, and row i+1 is the draft's true conditional for as long as the sampled tokens equal
+        the guess. So the drafts have exactly the distribution of token-by-token drafting, at the
+        cost of one batch (on a CPU, 4 rows of the 0.5B draft cost about 2 single decodes).
+        """
         tokens: list[int] = []
         rows = []
         decode_ms = 0.0
-        feed = self.committed[self.draft.n_past :]
-        for _ in range(n_draft):
+        base = len(self.committed)
+        pending = self.committed[self.draft.n_past :]
+        guided = list(guess[: max(n_draft - 1, 0)])
+        while len(tokens) < n_draft:
+            feed = pending + guided
             start = time.perf_counter()
-            logits = self.draft.decode(feed, output_rows=(-1,))
+            logits = self.draft.decode(feed, output_rows=range(len(pending) - 1, len(feed)))
             elapsed = (time.perf_counter() - start) * 1000
             decode_ms += elapsed
-            if len(feed) == 1:
-                self.engine.costs.record_draft(elapsed)
-            row = process_logits(logits[0], self.sampling)
-            token = sample_token(row, self.rng)
-            if self.config.p_min and row_prob(row, token) < self.config.p_min:
-                break  # such tokens are rarely accepted: verify what we have
-            tokens.append(token)
-            rows.append(row)
-            feed = [token]
+            self.engine.costs.record_draft(len(feed), elapsed)
+            n_before, n_followed = len(tokens), 0
+            for index in range(len(guided) + 1):
+                row = process_logits(logits[index], self.sampling)
+                token = sample_token(row, self.rng)
+                if self.config.p_min and row_prob(row, token) < self.config.p_min:
+                    n_draft = len(tokens)  # such tokens are rarely accepted: verify what we have
+                    break
+                tokens.append(token)
+                rows.append(row)
+                if index == len(guided) or token != guided[index]:
+                    break  # the rows after this one are conditioned on a token we did not draw
+                n_followed += 1
+                if len(tokens) == n_draft:
+                    break
+            # The cache must hold committed + drafts only: drop guessed tokens no draft followed.
+            keep = base + n_before + n_followed
+            if self.draft.n_past > keep:
+                self.draft.truncate(keep)
+            pending, guided = tokens[-1:], []
         return tokens, rows, decode_ms
 
     def fidelity(self, draft_rows: list, target_rows, n_decided: int) -> float | None:

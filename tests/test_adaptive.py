@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from cactus_edge.adaptive import AcceptanceTracker, CostModel, choose_draft_length, expected_tokens
+from cactus_edge.adaptive import (
+    AcceptanceTracker,
+    CostModel,
+    choose_draft_length,
+    could_pay,
+    expected_tokens,
+)
 from cactus_edge.lookup import lookup_continuation, point_mass_rows
 
 
@@ -20,7 +26,7 @@ def test_chosen_k_is_the_argmax_of_expected_tokens_per_ms():
     def verify_ms(n):
         return 60.0 + 12.0 * n
 
-    chosen = choose_draft_length(rates, 15.0, verify_ms, 6)
+    chosen = choose_draft_length(rates, lambda k: 15.0 * k, verify_ms, 6)
     throughput = [1 / verify_ms(1)] + [
         expected_tokens(rates, k) / (k * 15.0 + verify_ms(k + 1)) for k in range(1, 7)
     ]
@@ -30,12 +36,12 @@ def test_chosen_k_is_the_argmax_of_expected_tokens_per_ms():
 
 def test_when_every_draft_loses_k_is_zero():
     # Compute-bound CPU: verifying n tokens costs n times one (SPEC's 2-core machine), draft not free.
-    assert choose_draft_length(np.full(8, 0.6), 37.0, lambda n: 80.0 * n, 8) == 0
+    assert choose_draft_length(np.full(8, 0.6), lambda k: 37.0 * k, lambda n: 80.0 * n, 8) == 0
 
 
 def test_near_free_verification_takes_the_longest_block():
     # Verification and drafting nearly free (a GPU, or the lookup drafter): draft all you may.
-    assert choose_draft_length(np.full(12, 0.8), 0.01, lambda n: 20.0 + 0.01 * n, 12) == 12
+    assert choose_draft_length(np.full(12, 0.8), lambda k: 0.01 * k, lambda n: 20.0 + 0.01 * n, 12) == 12
 
 
 def test_cost_model_interpolates_measured_sizes():
@@ -44,11 +50,51 @@ def test_cost_model_interpolates_measured_sizes():
     costs.record_verify(1, 80.0)
     assert costs.verify_ms(4) == pytest.approx(80.0)  # one size known: flat (optimistic, so tried)
     costs.record_verify(5, 200.0)
-    costs.record_draft(30.0)
+    costs.record_draft(1, 30.0)
     assert costs.ready
     assert costs.verify_ms(3) == pytest.approx(140.0)  # a line through (1, 80) and (5, 200)
     costs.record_verify(1, 100.0)
     assert costs.verify_ms(1) == pytest.approx(84.0)  # moving average, weight 0.2 on the new value
+    costs.record_verify(4, 90.0)
+    assert costs.verify_ms(4) == pytest.approx(90.0)  # a measured size is used as measured
+
+
+def test_model_draft_cost_counts_catch_up_and_batches_a_guess():
+    costs = CostModel()
+    costs.record_draft(1, 40.0)
+    costs.record_draft(5, 80.0)  # line: 30 + 10 n
+    assert costs.model_draft_ms(3) == pytest.approx(120.0)  # unguided: one decode per draft
+    # 6 committed tokens unseen: the first decode is a 7-token batch, then two singles.
+    assert costs.model_draft_ms(3, n_catch_up=6) == pytest.approx(100.0 + 80.0)
+    # A 5-token guess: 3 drafts come from one 3-token batch (last token + 2 guessed).
+    assert costs.model_draft_ms(3, n_guided=5) == pytest.approx(60.0)
+    # Drafting past the guess falls back to single decodes.
+    assert costs.model_draft_ms(4, n_guided=1) == pytest.approx(50.0 + 2 * 40.0)
+
+
+def test_a_guess_makes_model_drafting_pay_where_single_decodes_lose():
+    # Costs shaped like this 2-core machine: a draft batch is 35 ms + 10 ms per token, a verify of
+    # n tokens 60 + 25 n ms; 80% of draft tokens accepted.
+    costs = CostModel()
+    costs.record_draft(1, 45.0)
+    costs.record_draft(5, 85.0)
+    rates = np.full(4, 0.8)
+    verify = lambda n: 60.0 + 25.0 * n  # noqa: E731
+    unguided = choose_draft_length(rates, lambda k: costs.model_draft_ms(k), verify, 4)
+    guided = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, n_guided=4), verify, 4)
+    assert unguided == 0 and guided == 3
+    # …unless the draft first has to catch up on 30 tokens it skipped…
+    behind = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, 30, 4), verify, 4)
+    assert behind == 0
+
+
+def test_a_margin_keeps_break_even_drafting_off():
+    rates = np.full(2, 0.14)
+    verify = lambda n: 90.0 + 10.0 * n  # noqa: E731
+    draft = lambda k: 1.0 * k  # noqa: E731
+    # k = 1: 1.14 tokens / 111 ms, 2.7% above plain decoding's 1 / 100 ms.
+    assert choose_draft_length(rates, draft, verify, 2) == 1
+    assert choose_draft_length(rates, draft, verify, 2, margin=0.05) == 0
 
 
 def test_acceptance_tracker_moves_towards_observed_probabilities():
@@ -88,11 +134,32 @@ def test_failed_probes_back_off_and_a_paying_probe_resets():
     tracker = AcceptanceTracker(4)
     due = [tracker.should_probe() for _ in range(32)]
     assert due.count(True) == 2 and due[15] and due[31]
-    tracker.record_probe(0)
-    tracker.record_probe(0)
+    tracker.record_probe(paid=False)
+    tracker.record_probe(paid=False)
     assert tracker.probe_every == 64
     for _ in range(10):
-        tracker.record_probe(0)
+        tracker.record_probe(paid=False)
     assert tracker.probe_every == 256
-    tracker.record_probe(2)
+    tracker.record_probe(paid=True)
     assert tracker.probe_every == 16
+
+
+def test_a_probe_is_skipped_when_even_full_acceptance_would_lose():
+    costs = CostModel()
+    costs.record_draft(1, 45.0)
+    costs.record_draft(5, 85.0)
+    verify = lambda n: 60.0 + 25.0 * n  # noqa: E731
+    # In sync, 3 drafts all accepted: 4 tokens in 65 + 160 ms beat plain decoding's 1 per 85 ms.
+    assert could_pay(3, lambda k: costs.model_draft_ms(k, 0, 4), verify)
+    # 40 tokens behind, the catch-up alone costs more than the 3 tokens speculation could save.
+    assert not could_pay(3, lambda k: costs.model_draft_ms(k, 40, 4), verify)
+
+
+def test_lookup_outcomes_move_only_the_first_position():
+    tracker = AcceptanceTracker(4)
+    for _ in range(30):
+        tracker.record_lookup_outcome(followed=True)
+    assert tracker.rates[0] > 0.99 and tracker.rates[1:] == pytest.approx(0.6)
+    for _ in range(30):
+        tracker.record_lookup_outcome(followed=False)
+    assert tracker.rates[0] < 0.01

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from cactus_edge.backend import LlamaModel
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine import Engine, GenerationConfig, _Generation
 from cactus_edge.errors import ContextLengthError, IncompatiblePairError
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
@@ -334,3 +334,58 @@ def test_auto_records_costs_and_reports_chosen_lengths(engine):
     histogram = result.stats.draft_length_histogram
     assert sum(histogram.values()) == result.stats.n_verifier_calls
     assert all(0 <= k <= 12 for k in histogram)
+
+
+def _drafting(engine, prompt_tokens, **settings):
+    """A generation brought up to its first draft: caches hold the prompt minus its last token."""
+    generation = _Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading.Event())
+    generation.prefill()
+    return generation
+
+
+def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(engine, monkeypatch):
+    prompt_tokens = engine.tokenize_prompt(REPETITIVE)
+    unguided = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
+    own_greedy, _, _ = unguided.sample_draft(4)
+    calls = []
+    real_decode = engine.draft.decode
+    monkeypatch.setattr(engine.draft, "decode", lambda *a, **k: calls.append(a[0]) or real_decode(*a, **k))
+    # The draft's own continuation as the guess: one batch decode yields all four rows.
+    guided = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
+    tokens, rows, _ = guided.sample_draft(4, own_greedy)
+    assert tokens == own_greedy and len(rows) == 4 and len(calls) == 1
+    assert engine.draft.tokens == (prompt_tokens + tokens)[: engine.draft.n_past]
+    # A guess the draft leaves after one token: rows after the deviation come from new decodes, and
+    # the guessed tokens it did not follow are cut from the cache.
+    calls.clear()
+    wrong = [own_greedy[0]] + [(t + 1) % engine.target.vocab_size for t in own_greedy[1:]]
+    deviating = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
+    tokens, _, _ = deviating.sample_draft(4, wrong)
+    assert tokens == own_greedy and len(calls) == 3
+    assert engine.draft.tokens == (prompt_tokens + tokens)[: engine.draft.n_past]
+
+
+def test_guided_drafts_follow_the_draft_models_joint_distribution(engine):
+    """(d1, d2) drawn along a guess vs the draft's exact two-step law, chi-square over 3,000 seeds."""
+    sampling = {"temperature": 1.0, "top_k": 4, "top_p": 1.0}
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    config = SamplingConfig(**sampling)
+    draft = engine.draft
+    draft.reset()
+    first = to_dense(process_logits(draft.decode(prompt_tokens)[0], config))
+    joint = np.zeros((first.size, first.size))
+    for d1 in np.flatnonzero(first):
+        draft.reset()
+        second = to_dense(process_logits(draft.decode([*prompt_tokens, int(d1)])[0], config))
+        joint[d1] = first[d1] * second
+    guess = [int(np.argmax(first)), 0, 0]  # followed about as often as the draft's top token
+    counts = np.zeros_like(joint)
+    n_runs = 3000
+    for seed in range(n_runs):
+        generation = _drafting(engine, prompt_tokens, n_draft=2, seed=seed, **sampling)
+        tokens, _, _ = generation.sample_draft(2, guess)
+        counts[tokens[0], tokens[1]] += 1
+    cells = joint > 0
+    assert counts[~cells].sum() == 0
+    assert counts[guess[0]].sum() > n_runs * 0.2  # the guided path was really taken
+    assert scipy_stats.chisquare(counts[cells], joint[cells] * n_runs).pvalue > 1e-3
