@@ -118,13 +118,31 @@ class CostModel:
         """Both costs a model-drafted step needs have been measured."""
         return bool(self.draft) and bool(self.verify)
 
-    def model_draft_ms(self, n_draft: int, n_catch_up: int = 0, n_guided: int = 0) -> float:
-        """Milliseconds to draft n_draft tokens with the draft model: one decode per token, except
-        that the first decode also feeds the n_catch_up committed tokens the draft skipped while
-        k was 0, and the n_guided tokens of a lookup guess (one batch yields a row per guessed
-        token, used while the draft's samples follow the guess)."""
+    def model_draft_ms(
+        self, n_draft: int, n_catch_up: int = 0, n_guided: int = 0, run_tokens: float = 0.0
+    ) -> float:
+        """Milliseconds to draft n_draft tokens with the draft model, charged to this step.
+
+        One decode per token, except that the first decode also feeds the n_catch_up committed
+        tokens the draft skipped while k was 0, and the n_guided tokens of a lookup guess (one
+        batch yields a row per guessed token, used while the draft's samples follow the guess).
+        The catch-up buys every step of the drafting run it starts, so it is spread over the
+        steps of a run of ``run_tokens`` expected tokens (at most n_draft + 1 per step).
+        """
         batched = min(n_draft - 1, n_guided)
-        return self.draft(n_catch_up + 1 + batched) + (n_draft - 1 - batched) * self.draft(1)
+        singles = (n_draft - 1 - batched) * self.draft(1)
+        in_sync = self.draft(1 + batched)
+        if n_catch_up == 0:
+            return in_sync + singles
+        catch_up = max(self.draft(n_catch_up + 1 + batched) - in_sync, 0.0)
+        return in_sync + catch_up / max(1.0, run_tokens / (n_draft + 1)) + singles
+
+
+def expected_run(first_acceptance: float) -> float:
+    """Expected number of tokens before the first rejection when each is accepted with
+    probability first_acceptance (geometric; capped at 0.99, i.e. 99 tokens)."""
+    rate = min(max(first_acceptance, 0.0), 0.99)
+    return rate / (1.0 - rate)
 
 
 @dataclass

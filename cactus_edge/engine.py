@@ -25,6 +25,7 @@ from .adaptive import (
     CostModel,
     choose_draft_length,
     could_pay,
+    expected_run,
 )
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .chat import render_chat
@@ -521,35 +522,37 @@ class _Generation:
     def plan(self, room: int, drafter: str, guess: Sequence[int] = ()) -> int:
         """How many tokens to draft this step. drafter: "lookup", "model", or "model/guided" (the
         draft model with a lookup guess to batch along; its acceptance is tracked apart, as
-        text that repeats earlier text is easier for both models).
+        text that repeats earlier text is easier for both models, and also learnt from plain
+        steps: did the target follow the guess?).
 
-        The tokens the draft skipped while k was 0 are not charged to the step that resumes
-        drafting: they are owed whenever drafting resumes, and resuming later only makes the bill
-        longer and the speculation shorter. Whether to resume at all is the acceptance estimates'
-        call (for guided steps they also learn from plain steps: did the target follow the
-        guess?), and a probe is only made when it could pay with the catch-up counted.
+        Resuming drafting after k = 0 steps first feeds the draft every token it skipped. That
+        catch-up is charged spread over the drafting run it is expected to start (geometric in
+        the first-position acceptance): in copied code it is nearly free, in prose a resumption
+        on a stray 2-gram match must pay for all of it. A probe is only made when it could pay
+        at full acceptance with the whole catch-up counted.
         """
         if not self.config.auto or room == 0:
             return room
         costs = self.engine.costs
         if not costs.verify or (drafter != "lookup" and not costs.draft):
             return min(room, 4)  # measure something first
-        draft_ms = self.draft_cost(drafter, len(guess))
         tracker = self.tracker(drafter)
+        draft_ms = self.draft_cost(drafter, len(guess), expected_run(tracker.rates[0]))
         k = choose_draft_length(tracker.rates, draft_ms, costs.verify_ms, room, SPECULATION_MARGIN)
         probe_k = min(room, max(k + 1, 2))
-        probe_ms = self.draft_cost(drafter, len(guess), catch_up=True)
+        probe_ms = self.draft_cost(drafter, len(guess), run_tokens=0.0)
         if tracker.should_probe() and could_pay(probe_k, probe_ms, costs.verify_ms, SPECULATION_MARGIN):
             self.probing = (tracker, draft_ms, room)
             k = probe_k
         return k
 
-    def draft_cost(self, drafter: str, n_guided: int, catch_up: bool = False):
-        """k → estimated ms to draft k tokens with this drafter (with the draft's catch-up)."""
+    def draft_cost(self, drafter: str, n_guided: int, run_tokens: float):
+        """k → estimated ms to draft k tokens with this drafter, catch-up spread over a run of
+        run_tokens tokens."""
         if drafter == "lookup":
             return lambda k: 0.0  # a lookup costs no decode
-        n_catch_up = len(self.committed) - 1 - self.draft.n_past if catch_up else 0
-        return lambda k: self.engine.costs.model_draft_ms(k, n_catch_up, n_guided)
+        n_catch_up = len(self.committed) - 1 - self.draft.n_past
+        return lambda k: self.engine.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
 
     def end_probe(self) -> None:
         """After a probe's verification: did it turn speculation back on?"""

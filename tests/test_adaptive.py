@@ -8,6 +8,7 @@ from cactus_edge.adaptive import (
     CostModel,
     choose_draft_length,
     could_pay,
+    expected_run,
     expected_tokens,
 )
 from cactus_edge.lookup import lookup_continuation, point_mass_rows
@@ -163,3 +164,31 @@ def test_lookup_outcomes_move_only_the_first_position():
     for _ in range(30):
         tracker.record_lookup_outcome(followed=False)
     assert tracker.rates[0] < 0.01
+
+
+def test_catch_up_is_spread_over_the_expected_run():
+    costs = CostModel()
+    costs.record_draft(1, 40.0)
+    costs.record_draft(5, 80.0)  # line: 30 + 10 n
+    # 3 drafts from a guess, 20 tokens behind: a 23-token batch, 260 ms = 60 in sync + 200 catch-up.
+    assert costs.model_draft_ms(3, 20, 5) == pytest.approx(260.0)
+    assert costs.model_draft_ms(3, 20, 5, run_tokens=2.0) == pytest.approx(260.0)  # < one step
+    assert costs.model_draft_ms(3, 20, 5, run_tokens=40.0) == pytest.approx(60.0 + 200.0 / 10)
+
+
+def test_expected_run_is_geometric_in_the_first_acceptance():
+    assert expected_run(0.5) == pytest.approx(1.0)
+    assert expected_run(0.9) == pytest.approx(9.0)
+    assert expected_run(1.0) == pytest.approx(99.0)  # capped
+    assert expected_run(0.0) == 0.0
+
+
+def test_a_long_expected_copy_lets_drafting_resume_behind():
+    costs = CostModel()
+    costs.record_draft(1, 45.0)
+    costs.record_draft(5, 85.0)
+    verify = lambda n: 60.0 + 25.0 * n  # noqa: E731
+    rates = np.array([0.98, 0.9, 0.9, 0.9])
+    prose = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, 30, 4, expected_run(0.7)), verify, 4)
+    copy = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, 30, 4, expected_run(0.98)), verify, 4)
+    assert prose == 0 and copy > 0
