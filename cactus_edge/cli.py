@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -131,8 +132,48 @@ def models_inspect(path_or_name: str) -> None:
         click.echo(f"{key:<15} {value}")
 
 
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which models to load and how: the flags of `model_options`, checked when parsed."""
+
+    pair: str | None
+    draft: str | None
+    target: str | None
+    n_ctx: int
+    threads: int | None
+    n_gpu_layers: int
+    verbose: bool
+
+    def __post_init__(self) -> None:
+        if self.pair and (self.draft or self.target):
+            raise click.UsageError("use --pair, or --draft/--target, not both")
+
+    def load(self, method: str = "cactus", drafter: str = "model"):
+        """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
+        from .engine import Engine
+        from .registry import load_registry
+
+        draft, target = self.draft, self.target
+        if not target:
+            chosen = load_registry().pair(self.pair or "default")
+            draft, target = draft or chosen.draft, chosen.target
+        if method == "none" or drafter == "lookup":
+            draft = None  # plain decoding and prompt lookup never use the draft model
+        elif not draft:
+            raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
+        return Engine(
+            draft,
+            target,
+            n_ctx=self.n_ctx,
+            n_threads=self.threads,
+            n_gpu_layers=self.n_gpu_layers,
+            verbose=self.verbose,
+        )
+
+
 def model_options(command):
-    """Model-selection and loading flags shared by `generate` and `chat`."""
+    """Model-selection and loading flags shared by every command that loads models; the command
+    receives them as one ``model: ModelChoice``."""
     options = [
         click.option("--pair", default=None, help="Registered pair (default: 'default')."),
         click.option("--draft", default=None, help="Draft GGUF path or registered name."),
@@ -148,9 +189,15 @@ def model_options(command):
         ),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
     ]
+
+    @functools.wraps(command)
+    def wrapper(*args, pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, **kwargs):
+        model = ModelChoice(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose)
+        return command(*args, model=model, **kwargs)
+
     for option in reversed(options):
-        command = option(command)
-    return command
+        wrapper = option(wrapper)
+    return wrapper
 
 
 class DraftLength(click.ParamType):
@@ -208,22 +255,6 @@ def sampling_options(command):
     return command
 
 
-def load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method="cactus", drafter="model"):
-    from .engine import Engine
-    from .registry import load_registry
-
-    if pair and (draft or target):
-        raise click.UsageError("use --pair, or --draft/--target, not both")
-    if not target:
-        chosen = load_registry().pair(pair or "default")
-        draft, target = draft or chosen.draft, chosen.target
-    if method == "none" or drafter == "lookup":
-        draft = None  # plain decoding and prompt lookup never use the draft model
-    elif not draft:
-        raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
-    return Engine(draft, target, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, verbose=verbose)
-
-
 @main.command()
 @click.argument("prompt")
 @model_options
@@ -242,13 +273,7 @@ def generate(
     prompt,
     drafter,
     draft_p_min,
-    pair,
-    draft,
-    target,
-    n_ctx,
-    threads,
-    n_gpu_layers,
-    verbose,
+    model,
     method,
     delta,
     n_draft,
@@ -284,7 +309,7 @@ def generate(
         seed=seed,
         stop=tuple(stop),
     )
-    with load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, method, drafter) as engine:
+    with model.load(method, drafter) as engine:
         if chat:
             messages = [{"role": "system", "content": system}] if system else []
             events = engine.stream_chat([*messages, {"role": "user", "content": prompt}], config)
@@ -310,13 +335,7 @@ def generate(
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Longest reply.")
 @handle_errors
 def chat(
-    pair,
-    draft,
-    target,
-    n_ctx,
-    threads,
-    n_gpu_layers,
-    verbose,
+    model,
     method,
     delta,
     n_draft,
@@ -334,8 +353,6 @@ def chat(
     from .engine import GenerationConfig
     from .tui import CactusChatApp
 
-    if pair and (draft or target):
-        raise click.UsageError("use --pair, or --draft/--target, not both")
     config = GenerationConfig(
         method=method,
         delta=delta,
@@ -352,15 +369,15 @@ def chat(
 
     def engine_factory():
         # Chat switches methods between turns (/method), so the draft is loaded even for `none`.
-        return load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, "cactus", drafter)
+        return model.load("cactus", drafter)
 
     fetch_default = None
-    if not (draft or target):
+    if not (model.draft or model.target):
         from .fetch import fetch_model
         from .registry import load_registry
 
         def fetch_default():
-            for spec in load_registry().expand(pair or "default"):
+            for spec in load_registry().expand(model.pair or "default"):
                 fetch_model(spec, quiet=True)
 
     CactusChatApp(engine_factory, config, system=system, fetch_default=fetch_default).run()
@@ -432,13 +449,7 @@ def _draft_length(item: str):
 )
 @handle_errors
 def bench(
-    pair,
-    draft,
-    target,
-    n_ctx,
-    threads,
-    n_gpu_layers,
-    verbose,
+    model,
     methods,
     deltas,
     n_drafts,
@@ -479,9 +490,7 @@ def bench(
     variants = make_variants(methods, deltas, n_drafts, drafters)
     settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_tokens": max_tokens}
     needs_model = any(v.method != "none" and v.drafter != "lookup" for v in variants)
-    engine = load_engine(
-        pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, "cactus" if needs_model else "none"
-    )
+    engine = model.load("cactus" if needs_model else "none")
     with engine:
         records = run_bench(
             engine, prompts, variants, settings, progress=lambda line: click.echo(line, err=True)
@@ -494,9 +503,9 @@ def bench(
     summary = summarize(records, variants)
     project_memory_bound(summary, draft_cost_ratio)
     title = (
-        f"{pair or 'custom'} pair · {len(prompts)} prompts · temperature {temperature}, top-p {top_p}, "
+        f"{model.pair or 'custom'} pair · {len(prompts)} prompts · temperature {temperature}, top-p {top_p}, "
         f"top-k {top_k} · {max_tokens} tokens · {platform.machine()} {platform.system()}, "
-        f"{threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
+        f"{model.threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
     )
     curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in costs["verify_ms"].items())
     draft_ms = f"{costs['draft_ms']:.0f} ms" if costs["draft_ms"] is not None else "no draft model"
@@ -516,7 +525,8 @@ def bench(
             click.echo(f"wrote {path}", err=True)
     except ImportError:
         click.echo("no plots: pip install 'cactus-edge[plots]'", err=True)
-    settings_out = {**settings, "pair": pair, "draft": draft, "target": target, "n_ctx": n_ctx}
+    chosen = {"pair": model.pair, "draft": model.draft, "target": model.target, "n_ctx": model.n_ctx}
+    settings_out = {**settings, **chosen}
     (folder / "bench.json").write_text(
         json.dumps({"settings": settings_out, "summary": summary, "costs": costs, "runs": records}, indent=2)
     )
@@ -553,13 +563,7 @@ def eval_group() -> None:
 )
 @handle_errors
 def eval_humaneval(
-    pair,
-    draft,
-    target,
-    n_ctx,
-    threads,
-    n_gpu_layers,
-    verbose,
+    model,
     methods,
     deltas,
     n_draft,
@@ -577,7 +581,7 @@ def eval_humaneval(
     problems = load_problems(problems_file)[offset:][:limit]
     variants = make_variants(methods, deltas, [n_draft], ["model"])
     settings = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": max_tokens}
-    engine = load_engine(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose)
+    engine = model.load()
     with engine:
         for _ in evaluate(
             engine,

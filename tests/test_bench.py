@@ -70,19 +70,21 @@ def test_summary_speedups_are_per_prompt_ratios_to_none():
     assert "| sps k=4 | 2.00 | 3.00 | 12.50 | 1.00 (0.50–1.50) |" in table
 
 
+def run_bench_command(tiny_args, out, *flags) -> dict:
+    """`cactus-edge bench` on the tiny pair; its bench.json."""
+    result = CliRunner().invoke(main, ["bench", *tiny_args, *flags, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "bench.json").read_text())
+
+
 def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
     out = tmp_path / "out"
-    args = [
-        "bench",
-        *tiny_args,
+    data = run_bench_command(
+        tiny_args,
+        out,
         *["--methods", "none,sps,cactus", "--deltas", "0.5", "--n-draft", "3"],
         *["--limit", "2", "--max-tokens", "12"],
-        "--out",
-        str(out),
-    ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    data = json.loads((out / "bench.json").read_text())
+    )
     assert [r["variant"] for r in data["runs"]] == ["none", "sps k=3", "cactus δ=0.5 k=3"] * 2
     assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
     assert set(data["summary"]) == {"none", "sps k=3", "cactus δ=0.5 k=3"}
@@ -107,14 +109,10 @@ def test_per_category_takes_the_first_of_each_round_robin():
 
 
 def test_lookup_only_bench_loads_no_draft_model(tiny_args, tmp_path):
-    args = [
-        "bench",
-        *tiny_args,
+    data = run_bench_command(
+        tiny_args,
+        tmp_path,
         *["--methods", "none,sps", "--n-draft", "3", "--drafters", "lookup"],
         *["--limit", "1", "--max-tokens", "8"],
-        "--out",
-        str(tmp_path),
-    ]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    assert set(json.loads((tmp_path / "bench.json").read_text())["summary"]) == {"none", "sps k=3 [lookup]"}
+    )
+    assert set(data["summary"]) == {"none", "sps k=3 [lookup]"}

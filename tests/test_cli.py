@@ -110,3 +110,10 @@ def test_models_list_shows_pairs(runner, monkeypatch, tmp_path):
     assert result.exit_code == 0
     assert f"models directory: {tmp_path}" in result.stdout
     assert "default            qwen2.5-coder-0.5b-instruct -> qwen2.5-coder-1.5b-instruct" in result.stdout
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["bench"], ["eval", "humaneval"]])
+def test_pair_and_explicit_models_are_refused_before_loading(runner, tiny_pair, command):
+    result = runner.invoke(main, [*command, "--pair", "default", "--draft", str(tiny_pair[0])])
+    assert result.exit_code == 2
+    assert "use --pair, or --draft/--target, not both" in result.output
