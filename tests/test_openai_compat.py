@@ -1,0 +1,375 @@
+"""The OpenAI-shaped layer without a model: request parsing, and response shapes over a fake engine."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from cactus_edge.config import GenerationConfig
+from cactus_edge.errors import InvalidSettingError, UnsupportedParameterError
+from cactus_edge.openai_compat import (
+    NEUTRAL_ONLY,
+    SETTINGS,
+    SPECULATIVE_KEYS,
+    ParsedRequest,
+    chat_completion,
+    parse_request,
+)
+from cactus_edge.stats import GenerationStats, StreamEvent
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+class FakeEngine:
+    """Duck-typed Engine: replays fixed texts, then a final event; records what it was asked."""
+
+    def __init__(self, texts=("Hel", "", "lo"), finish="length"):
+        self.texts, self.finish = texts, finish
+        self.calls: list[tuple[list, GenerationConfig]] = []
+        self.stats = GenerationStats(
+            method="cactus", n_tokens=len(texts), n_prompt_tokens=7, n_verifier_calls=2, n_accepted=1
+        )
+
+    def stream_chat(self, messages, config, cancel=None):
+        self.calls.append((messages, config))
+        return self._events()
+
+    def _events(self):
+        for index, text in enumerate(self.texts):
+            yield StreamEvent(text, token=index, stats=self.stats)
+        self.stats.finish_reason = self.finish
+        yield StreamEvent("", None, finish_reason=self.finish, stats=self.stats)
+
+
+# --- parse_request: used settings ----------------------------------------------------------------
+
+
+def test_empty_request_gives_the_defaults():
+    assert parse_request({}) == ParsedRequest(config=GenerationConfig())
+
+
+def test_openai_settings_reach_the_config():
+    request = parse_request(
+        {
+            "model": "qwen",
+            "messages": MESSAGES,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "min_p": 0.1,
+            "seed": 42,
+            "stop": ["\n", "END"],
+            "max_tokens": 9,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    config = request.config
+    assert (config.temperature, config.top_p, config.top_k, config.min_p) == (0, 0.5, 3, 0.1)
+    assert (config.seed, config.stop, config.max_tokens) == (42, ("\n", "END"), 9)
+    assert (request.stream, request.include_usage, request.model) == (True, True, "qwen")
+    assert request.ignored == ()  # messages is the caller's, not an ignored field
+
+
+def test_stop_may_be_one_string():
+    assert parse_request({"stop": "END"}).config.stop == ("END",)
+
+
+@pytest.mark.parametrize(
+    "body", [{"max_tokens": 5}, {"max_completion_tokens": 5}, {"max_tokens": 5, "max_completion_tokens": 5}]
+)
+def test_both_names_of_max_tokens(body):
+    assert parse_request(body).config.max_tokens == 5
+
+
+def test_disagreeing_max_tokens_are_refused():
+    with pytest.raises(InvalidSettingError) as caught:
+        parse_request({"max_tokens": 5, "max_completion_tokens": 6})
+    assert caught.value.param == "max_completion_tokens"
+
+
+def test_null_means_the_default():
+    body = {name: None for name in (*SETTINGS, *NEUTRAL_ONLY)}
+    assert parse_request(body).config == GenerationConfig()
+
+
+def test_base_config_supplies_the_defaults():
+    base = GenerationConfig(method="sps", max_tokens=99, temperature=0.2)
+    config = parse_request({"temperature": 0.7}, base=base).config
+    assert (config.method, config.max_tokens, config.temperature) == ("sps", 99, 0.7)
+
+
+def test_negative_seed_is_folded_not_refused():
+    # OpenAI allows any int64 seed; numpy's generator wants a non-negative one.
+    assert parse_request({"seed": -1}).config.seed == 2**64 - 1
+
+
+def test_speculative_extension():
+    speculative = {"method": "tas", "delta": 0.5, "n_draft": 4, "drafter": "lookup", "draft_p_min": 0.1}
+    config = parse_request({"speculative": speculative}).config
+    assert {key: getattr(config, key) for key in SPECULATIVE_KEYS} == speculative
+
+
+# --- parse_request: accepted and ignored ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 1),
+        ("best_of", 1),
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0.0),
+        ("repeat_penalty", 1.0),
+        ("mirostat_mode", 0),
+        ("logit_bias", {}),
+        ("logprobs", False),
+        ("top_logprobs", 0),
+        ("echo", False),
+        ("suffix", ""),
+        ("tools", []),
+        ("functions", []),
+        ("tool_choice", "none"),
+        ("function_call", "none"),
+        ("response_format", {"type": "text"}),
+        ("modalities", ["text"]),
+        ("stream_options", {"include_usage": False, "include_obfuscation": True}),
+    ],
+)
+def test_neutral_values_are_accepted(field, value):
+    request = parse_request({field: value})
+    assert request.config == GenerationConfig()
+    assert request.ignored == ()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("user", "someone"),
+        ("metadata", {"k": "v"}),
+        ("store", True),
+        ("parallel_tool_calls", True),
+        ("service_tier", "auto"),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("some_future_field", [1, 2]),
+        ("method", "sps"),  # the extension lives under "speculative", not at the top level
+    ],
+)
+def test_harmless_fields_are_ignored_and_reported(field, value):
+    request = parse_request({field: value, "messages": MESSAGES})
+    assert request.config == GenerationConfig()
+    assert request.ignored == (field,)
+
+
+# --- parse_request: refused ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"repeat_penalty": 1.1}, "repeat_penalty"),
+        ({"mirostat_mode": 2}, "mirostat_mode"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),  # completions' count: 0 still returns log-probabilities
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"echo": True}, "echo"),
+        ({"suffix": "}"}, "suffix"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy"}}, "audio"),
+        ({"grammar": "root ::= x"}, "grammar"),
+        ({"speculative": {"foo": 1}}, "speculative.foo"),
+    ],
+)
+def test_meaning_changing_values_are_refused_by_name(body, param):
+    with pytest.raises(UnsupportedParameterError) as caught:
+        parse_request(body)
+    assert caught.value.param == param
+    assert param in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": "1"}, "top_p"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.0}, "min_p"),
+        ({"seed": "7"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": 3}, "stop"),
+        ({"stop": ["a", 3]}, "stop"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_completion_tokens": 2.0}, "max_completion_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": True}, "stream_options"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"model": 3}, "model"),
+        ({"n": 0}, "n"),
+        ({"n": "1"}, "n"),
+        ({"logprobs": "no"}, "logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"logit_bias": []}, "logit_bias"),
+        ({"tools": {}}, "tools"),
+        ({"presence_penalty": "0"}, "presence_penalty"),
+        ({"speculative": "fast"}, "speculative"),
+        ({"speculative": {"method": "magic"}}, "speculative.method"),
+        ({"speculative": {"method": 1}}, "speculative.method"),
+        ({"speculative": {"delta": -0.1}}, "speculative.delta"),
+        ({"speculative": {"delta": "big"}}, "speculative.delta"),
+        ({"speculative": {"n_draft": "many"}}, "speculative.n_draft"),
+        ({"speculative": {"n_draft": 1000}}, "speculative.n_draft"),
+        ({"speculative": {"drafter": "oracle"}}, "speculative.drafter"),
+        ({"speculative": {"draft_p_min": 1}}, "speculative.draft_p_min"),
+    ],
+)
+def test_wrong_values_are_invalid_settings_by_name(body, param):
+    with pytest.raises(InvalidSettingError) as caught:
+        parse_request(body)
+    assert not isinstance(caught.value, UnsupportedParameterError)
+    assert caught.value.param == param
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(InvalidSettingError):
+        parse_request(["not", "a", "dict"])
+
+
+ODD_VALUES = [True, False, 0, 1, -1, 2.5, math.nan, math.inf, 10**30, "", "x", [], ["x"], [1], {}, {"a": 1}]
+
+
+@pytest.mark.parametrize("field", [*SETTINGS, *NEUTRAL_ONLY, "speculative.*", "stream_options.*"])
+def test_no_value_raises_anything_but_a_named_setting_error(field):
+    for value in ODD_VALUES:
+        if field.endswith(".*"):
+            outer = field[:-2]
+            keys = SPECULATIVE_KEYS if outer == "speculative" else ("include_usage",)
+            bodies = [{outer: {key: value}} for key in keys]
+        else:
+            bodies = [{field: value}]
+        for body in bodies:
+            try:
+                parse_request(body)
+            except InvalidSettingError as error:  # anything else (TypeError …) fails the test
+                assert error.param, f"{body!r} raised without naming the parameter: {error}"
+
+
+# --- chat_completion over a fake engine ----------------------------------------------------------
+
+
+def test_completion_shape():
+    engine = FakeEngine()
+    completion = chat_completion(engine, MESSAGES, stream=False, model="m", max_tokens=3)
+    assert completion["object"] == "chat.completion"
+    assert completion["id"].startswith("chatcmpl-")
+    assert completion["model"] == "m"
+    assert completion["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length"}
+    ]
+    assert completion["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert completion["speculative"] == engine.stats.summary()
+    assert completion["speculative"]["acceptance_length"] == 0.5
+    assert engine.calls == [(MESSAGES, GenerationConfig(max_tokens=3))]
+
+
+def test_cancelled_reads_as_stop():
+    completion = chat_completion(FakeEngine(finish="cancelled"), MESSAGES, stream=False, model="m")
+    assert completion["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stream_shape_without_usage():
+    engine = FakeEngine()
+    chunks = list(chat_completion(engine, MESSAGES, stream=True, model="m"))
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert all("usage" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant"}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+    assert chunks[-1]["speculative"] == engine.stats.summary()
+
+
+def test_stream_with_include_usage_ends_with_a_usage_chunk():
+    chunks = list(
+        chat_completion(
+            FakeEngine(), MESSAGES, stream=True, model="m", stream_options={"include_usage": True}
+        )
+    )
+    *body, last = chunks
+    assert last["choices"] == []
+    assert last["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert all(c["usage"] is None for c in body)  # OpenAI: null on every earlier chunk
+    assert body[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_settings_are_parsed_like_a_request():
+    engine = FakeEngine()
+    chat_completion(
+        engine,
+        MESSAGES,
+        stream=False,
+        model="m",
+        max_completion_tokens=4,
+        stop=["x"],
+        speculative={"method": "sps"},
+        user="u",
+        logit_bias={},
+        some_future_field=1,
+    )
+    assert engine.calls[0][1] == GenerationConfig(max_tokens=4, stop=("x",), method="sps")
+
+
+def test_flat_speculative_settings_still_work():
+    engine = FakeEngine()
+    chat_completion(engine, MESSAGES, stream=False, model="m", method="exact", n_draft=3, drafter="lookup")
+    assert engine.calls[0][1] == GenerationConfig(method="exact", n_draft=3, drafter="lookup")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "settings, error, param",
+    [
+        ({"n": 2}, UnsupportedParameterError, "n"),
+        ({"logprobs": True}, UnsupportedParameterError, "logprobs"),
+        ({"temperature": "hot"}, InvalidSettingError, "temperature"),
+        ({"method": "magic"}, InvalidSettingError, "speculative.method"),
+    ],
+)
+def test_bad_settings_raise_before_the_engine_runs(stream, settings, error, param):
+    engine = FakeEngine()
+    with pytest.raises(error) as caught:
+        chat_completion(engine, MESSAGES, stream=stream, model="m", **settings)
+    assert caught.value.param == param
+    assert engine.calls == []
+
+
+def test_importing_the_layer_loads_no_llama_cpp_and_no_engine():
+    code = (
+        "import cactus_edge.openai_compat, sys; "
+        "assert 'llama_cpp' not in sys.modules, 'llama_cpp loaded'; "
+        "assert 'cactus_edge.engine' not in sys.modules, 'engine loaded'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
