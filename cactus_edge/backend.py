@@ -20,7 +20,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from .errors import BackendError, ContextLengthError, UnsupportedModelError
+from .errors import BackendError, ContextLengthError, NonFiniteLogitsError, UnsupportedModelError
 from .gguf_info import GGUFInfo, read_gguf
 
 logger = logging.getLogger("cactus_edge.llama")
@@ -87,7 +87,12 @@ class LlamaModel:
     """One GGUF model, one llama.cpp context, one sequence (id 0).
 
     ``tokens`` is what the KV cache holds, position by position; every decode appends to it and
-    :meth:`truncate` cuts it back.
+    :meth:`truncate` cuts it back. ``foreign_tokens`` (optional) maps ids past this vocabulary to
+    the id decoded in their place, for a draft whose vocabulary is smaller than its target's; the
+    mirror keeps the original id.
+
+    Tokenization and detokenization share no buffer with decoding, so other threads may call them
+    while a decode runs. Calls after :meth:`close` raise :class:`BackendError`, never crash.
     """
 
     def __init__(
@@ -145,9 +150,17 @@ class LlamaModel:
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         self.tokens: list[int] = []
-        self._piece_buffer = ctypes.create_string_buffer(256)
+        self.foreign_tokens: dict[int, int] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if not self._ctx:
+            raise BackendError(f"{self.path.name} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return not self._ctx
 
     def close(self) -> None:
         if self._batch is not None:
@@ -204,6 +217,7 @@ class LlamaModel:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text → token ids. ``add_special`` adds BOS when the GGUF asks for it; ``parse_special``
         turns control-token text (e.g. ``<|im_start|>``) into its token."""
+        self._check_open()
         data = text.encode("utf-8")
         capacity = len(data) + 8
         buffer = (llama_cpp.llama_token * capacity)()
@@ -221,16 +235,15 @@ class LlamaModel:
         return list(buffer[:count])
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The raw bytes of one token (may be part of a UTF-8 character)."""
-        length = llama_cpp.llama_token_to_piece(
-            self._vocab, token, self._piece_buffer, len(self._piece_buffer), 0, special
-        )
+        """The raw bytes of one token (may be part of a UTF-8 character). The buffer is local to
+        the call: ctypes releases the GIL, so a shared one would race between threads."""
+        self._check_open()
+        buffer = ctypes.create_string_buffer(64)
+        length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
         if length < 0:
-            self._piece_buffer = ctypes.create_string_buffer(-length)
-            length = llama_cpp.llama_token_to_piece(
-                self._vocab, token, self._piece_buffer, len(self._piece_buffer), 0, special
-            )
-        return self._piece_buffer.raw[:length]
+            buffer = ctypes.create_string_buffer(-length)
+            length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
+        return buffer.raw[:length]
 
     def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
         return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
@@ -250,6 +263,7 @@ class LlamaModel:
             wanted, in the order wanted; only those rows are computed and copied.
         Returns float32 logits, shape (len(output_rows), V).
         """
+        self._check_open()
         n_new = len(tokens)
         if n_new == 0:
             raise ValueError("decode needs at least one token")
@@ -268,16 +282,30 @@ class LlamaModel:
                 if not pointer:
                     raise BackendError(f"llama.cpp returned no logits for batch row {batch_index}")
                 logits[out_index] = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+        self._check_finite(logits, [self.n_past - n_new + row for row in wanted])
         return logits
+
+    def _check_finite(self, logits: np.ndarray, positions: list[int]) -> None:
+        """A NaN anywhere makes the row's max NaN, +inf makes it inf; a row of -inf is dead too.
+        One pass over the rows, far cheaper than what processing them costs anyway."""
+        if not logits.size:
+            return
+        row_max = logits.max(axis=1)
+        bad = np.flatnonzero(~np.isfinite(row_max))
+        if bad.size:
+            row = int(bad[0])
+            position = positions[row]
+            raise NonFiniteLogitsError(
+                f"llama.cpp returned non-finite logits (NaN or inf) from {self.path.name} for output "
+                f"row {row} (cache position {position}); the model file or the backend is broken"
+            )
 
     def _decode_chunk(self, chunk: Sequence[int], output_rows: dict[int, int]) -> None:
         batch = self._batch
         position = self.n_past
         batch.n_tokens = len(chunk)
         for i, token in enumerate(chunk):
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})")
-            batch.token[i] = token
+            batch.token[i] = self._fed_id(token)
             batch.pos[i] = position + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = 0
@@ -290,6 +318,13 @@ class LlamaModel:
                 raise ContextLengthError("no room left in the KV cache for this batch")
             raise BackendError(f"llama_decode failed with status {status}")
         self.tokens.extend(int(t) for t in chunk)
+
+    def _fed_id(self, token: int) -> int:
+        if 0 <= token < self.vocab_size:
+            return token
+        if self.foreign_tokens is not None and self.vocab_size <= token:
+            return self.foreign_tokens[token]
+        raise ValueError(f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def truncate(self, n_tokens: int) -> None:
         """Keep only the first ``n_tokens`` tokens of the cache (rollback after rejection)."""
@@ -305,7 +340,25 @@ class LlamaModel:
                 f"llama.cpp could not remove cached positions {position}.. of {self.path.name}"
             )
 
+    def cache_range(self) -> tuple[int, int]:
+        """llama.cpp's own view of the cache: (lowest, highest) position held, (-1, -1) if empty."""
+        self._check_open()
+        return (
+            int(llama_cpp.llama_memory_seq_pos_min(self._memory, 0)),
+            int(llama_cpp.llama_memory_seq_pos_max(self._memory, 0)),
+        )
+
+    def sync_cache(self) -> None:
+        """Make llama.cpp hold exactly the mirrored tokens: drop any position past them (an
+        interrupt between a decode and the mirror update leaves such positions), and shorten the
+        mirror if llama.cpp holds fewer."""
+        self._remove_from(self.n_past)
+        low, high = self.cache_range()
+        if high + 1 < self.n_past or (self.n_past and low != 0):
+            self.reset()
+
     def reset(self) -> None:
+        self._check_open()
         llama_cpp.llama_memory_clear(self._memory, True)
         self.tokens.clear()
 

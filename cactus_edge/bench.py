@@ -15,8 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .engine import Engine, GenerationConfig
+from .adaptive import CostModel
+from .config import GenerationConfig
+from .errors import InvalidSettingError
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
     if categories:
         prompts = [p for p in prompts if p["category"] in categories]
     if not prompts:
-        raise ValueError("no prompts to run (check --prompts and --category)")
+        raise InvalidSettingError("no prompts to run (check --prompts and --category)", param="prompts")
     return prompts
 
 
@@ -99,15 +105,22 @@ def run_bench(
     *,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
-    """One record per (prompt, variant): the generation's statistics, plus which prompt/variant."""
+    """One record per (prompt, variant): the generation's statistics, plus which prompt/variant.
+
+    Each variant keeps its own `auto` estimates (costs and acceptance) across the prompts, fresh
+    at the start, as one user running one setting would: otherwise an `auto` variant would learn
+    from the variant run just before it on the same prompt. The warm-up's estimates are dropped.
+    """
     # Warm both models if both are loaded (a lookup-only bench loads no draft model).
     warm = GenerationConfig(
         **{**settings, "max_tokens": 8}, method="sps" if engine.draft else "none", n_draft=2
     )
     engine.chat([{"role": "user", "content": "Hello"}], warm)  # load pages, build graphs
     records = []
+    learnt: dict[str, tuple[CostModel, dict]] = {}
     for index, entry in enumerate(prompts):
         for variant in variants:
+            engine.costs, engine.acceptance = learnt.setdefault(variant.label, (CostModel(), {}))
             config = variant.config(seed=index, **settings)
             result = engine.chat([{"role": "user", "content": entry["prompt"]}], config)
             stats = result.stats.summary()

@@ -4,31 +4,45 @@ messages on stderr and the exit code their type carries."""
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
+from . import config as defaults
 from .errors import CactusEdgeError
+from .stats import summary_line
+
+INTERNAL_ERROR_EXIT = 1
 
 
 def handle_errors(command):
-    """Turn library exceptions into `error: …` and an exit code, never a traceback."""
+    """Turn library exceptions into `error: …` and their exit code, never a traceback. Anything
+    else is a bug of ours, reported as an internal error (exit 1), never as bad input."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except click.ClickException:
+            raise
         except CactusEdgeError as error:
             click.echo(f"error: {error}", err=True)
             sys.exit(error.exit_code)
-        except ValueError as error:  # invalid settings: the message names the parameter
-            click.echo(f"error: {error}", err=True)
-            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
+        except Exception as error:
+            if os.environ.get("CACTUS_EDGE_DEBUG"):
+                raise
+            click.echo(
+                f"internal error: {type(error).__name__}: {error} "
+                "(a bug in cactus-edge; set CACTUS_EDGE_DEBUG=1 for the traceback)",
+                err=True,
+            )
+            sys.exit(INTERNAL_ERROR_EXIT)
 
     return wrapper
 
@@ -48,7 +62,7 @@ def models() -> None:
 @handle_errors
 def models_list() -> None:
     """Registered models and pairs, and whether each file is present."""
-    from .registry import default_models_dir, load_registry
+    from .registry import default_models_dir, format_size_mb, load_registry
 
     registry = load_registry()
     models_dir = default_models_dir()
@@ -60,8 +74,8 @@ def models_list() -> None:
     for spec in registry.models.values():
         present = "fetched" if spec.path(models_dir).is_file() else "-"
         source = type(spec.source).__name__.removesuffix("Source").lower()
-        size = f"{spec.size / 1e6:,.0f} MB" if spec.size else ""
-        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {size:>9}  {spec.description}")
+        size = format_size_mb(spec.size)
+        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {size:>12}  {spec.description}")
 
 
 @models.command("fetch")
@@ -148,7 +162,7 @@ class ModelChoice:
         if self.pair and (self.draft or self.target):
             raise click.UsageError("use --pair, or --draft/--target, not both")
 
-    def load(self, method: str = "cactus", drafter: str = "model"):
+    def load(self, method: str = defaults.DEFAULT_METHOD, drafter: str = defaults.DEFAULT_DRAFTER):
         """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
         from .engine import Engine
         from .registry import load_registry
@@ -157,11 +171,11 @@ class ModelChoice:
         if not target:
             chosen = load_registry().pair(self.pair or "default")
             draft, target = draft or chosen.draft, chosen.target
-        if method == "none" or drafter == "lookup":
+        if not defaults.needs_draft_model(method, drafter):
             draft = None  # plain decoding and prompt lookup never use the draft model
         elif not draft:
             raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
-        return Engine(
+        return Engine.load(
             draft,
             target,
             n_ctx=self.n_ctx,
@@ -212,47 +226,93 @@ class DraftLength(click.ParamType):
             self.fail(f"{value!r} is neither an integer nor 'auto'", param, ctx)
 
 
-def sampling_options(command):
-    """Decoding flags shared by `generate` and `chat`; defaults are the paper's settings."""
-    options = [
-        click.option(
-            "--method",
-            type=click.Choice(["cactus", "sps", "tas", "exact", "none"]),
-            default="cactus",
-            show_default=True,
-            help="Acceptance rule (none = target only).",
-        ),
-        click.option("--delta", type=float, default=1.0, show_default=True, help="Cactus KL budget."),
-        click.option(
-            "--n-draft",
-            type=DraftLength(),
-            default="auto",
-            show_default=True,
-            help="Draft tokens per step, or 'auto' (chosen per step from measured costs).",
-        ),
-        click.option(
-            "--drafter",
-            type=click.Choice(["model", "lookup", "model+lookup"]),
-            default="model",
-            show_default=True,
-            help="Who proposes: the draft model, prompt n-gram lookup, or lookup falling back to the model.",
-        ),
-        click.option(
-            "--draft-p-min",
-            type=float,
-            default=None,
-            help="Stop drafting when the draft's p(token) falls below this (default 0.2 with auto, else 0).",
-        ),
-        click.option("--temperature", type=float, default=0.6, show_default=True),
-        click.option("--top-k", type=int, default=20, show_default=True, help="0 disables."),
-        click.option("--top-p", type=float, default=0.95, show_default=True, help="1 disables."),
-        click.option("--min-p", type=float, default=0.0, show_default=True, help="0 disables."),
-        click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
-        click.option("--system", default=None, help="System message (chat mode)."),
-    ]
+def _apply(command, options):
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def sampling_flags(command):
+    """How logits become a distribution: shared by generate, chat, bench and eval (the paper's
+    defaults, from cactus_edge.config)."""
+    return _apply(
+        command,
+        [
+            click.option(
+                "--temperature", type=float, default=defaults.DEFAULT_TEMPERATURE, show_default=True
+            ),
+            click.option(
+                "--top-k", type=int, default=defaults.DEFAULT_TOP_K, show_default=True, help="0 disables."
+            ),
+            click.option(
+                "--top-p", type=float, default=defaults.DEFAULT_TOP_P, show_default=True, help="1 disables."
+            ),
+            click.option(
+                "--min-p", type=float, default=defaults.DEFAULT_MIN_P, show_default=True, help="0 disables."
+            ),
+        ],
+    )
+
+
+def speculative_flags(command):
+    """One method, delta, draft length and drafter: generate and chat (serve, later)."""
+    return _apply(
+        command,
+        [
+            click.option(
+                "--method",
+                type=click.Choice(defaults.METHODS),
+                default=defaults.DEFAULT_METHOD,
+                show_default=True,
+                help="Acceptance rule (none = target only).",
+            ),
+            click.option(
+                "--delta",
+                type=float,
+                default=defaults.DEFAULT_DELTA,
+                show_default=True,
+                help="Cactus KL budget.",
+            ),
+            click.option(
+                "--n-draft",
+                type=DraftLength(),
+                default="auto",
+                show_default=True,
+                help="Draft tokens per step, or 'auto' (chosen per step from measured costs).",
+            ),
+            click.option(
+                "--drafter",
+                type=click.Choice(defaults.DRAFTERS),
+                default=defaults.DEFAULT_DRAFTER,
+                show_default=True,
+                help="Who proposes: the draft model, prompt n-gram lookup, or lookup with the model as "
+                "fallback.",
+            ),
+            click.option(
+                "--draft-p-min",
+                type=float,
+                default=None,
+                help="Stop drafting when the draft's p(token) falls below this (default 0.2 with auto, "
+                "else 0).",
+            ),
+            click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+            click.option("--system", default=None, help="System message (chat mode)."),
+        ],
+    )
+
+
+def sampling_options(command):
+    """Every decoding flag of generate and chat."""
+    return sampling_flags(speculative_flags(command))
+
+
+def build_config(**flags):
+    """GenerationConfig from the flags of `sampling_options` (+ max_tokens, stop); flags that are
+    not generation settings (system, …) are ignored."""
+    from .config import GenerationConfig
+
+    names = set(GenerationConfig.field_names())
+    return GenerationConfig(**{k: v for k, v in flags.items() if k in names})
 
 
 @main.command()
@@ -265,56 +325,24 @@ def sampling_options(command):
     "--chat/--raw",
     default=True,
     show_default=True,
-    help="Wrap PROMPT in the model's chat template, or continue it as raw text.",
+    help="Wrap PROMPT in the model's chat template (its text stays plain text), or continue it as raw "
+    "text (where control-token text such as <|im_start|> is parsed as the control token).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @handle_errors
-def generate(
-    prompt,
-    drafter,
-    draft_p_min,
-    model,
-    method,
-    delta,
-    n_draft,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
-    seed,
-    system,
-    max_tokens,
-    stop,
-    chat,
-    as_json,
-) -> None:
+def generate(prompt, model, system, chat, as_json, **flags) -> None:
     """Generate a reply to PROMPT ('-' reads stdin) with speculative decoding."""
     import json
 
-    from .engine import GenerationConfig
-
     if prompt == "-":
         prompt = sys.stdin.read()
-    config = GenerationConfig(
-        method=method,
-        delta=delta,
-        n_draft=n_draft,
-        drafter=drafter,
-        draft_p_min=draft_p_min,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        max_tokens=max_tokens,
-        seed=seed,
-        stop=tuple(stop),
-    )
-    with model.load(method, drafter) as engine:
+    config = build_config(**{**flags, "stop": tuple(flags["stop"])})
+    with model.load(config.method, config.drafter) as engine:
         if chat:
             messages = [{"role": "system", "content": system}] if system else []
             events = engine.stream_chat([*messages, {"role": "user", "content": prompt}], config)
         else:
-            events = engine.stream(prompt, config)
+            events = engine.stream(engine.tokenize_prompt(prompt, chat=True), config)
         text = []
         for event in events:
             text.append(event.text)
@@ -334,42 +362,15 @@ def generate(
 @sampling_options
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Longest reply.")
 @handle_errors
-def chat(
-    model,
-    method,
-    delta,
-    n_draft,
-    drafter,
-    draft_p_min,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
-    seed,
-    system,
-    max_tokens,
-) -> None:
+def chat(model, system, **flags) -> None:
     """Chat in the terminal, with the acceptance view and live statistics."""
-    from .engine import GenerationConfig
     from .tui import CactusChatApp
 
-    config = GenerationConfig(
-        method=method,
-        delta=delta,
-        n_draft=n_draft,
-        drafter=drafter,
-        draft_p_min=draft_p_min,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        max_tokens=max_tokens,
-        seed=seed,
-    )
+    config = build_config(**flags)
 
     def engine_factory():
         # Chat switches methods between turns (/method), so the draft is loaded even for `none`.
-        return model.load("cactus", drafter)
+        return model.load(defaults.DEFAULT_METHOD, config.drafter)
 
     fetch_default = None
     if not (model.draft or model.target):
@@ -437,9 +438,7 @@ def _draft_length(item: str):
     "--per-category", type=int, default=None, help="Run the first N prompts of each category, round-robin."
 )
 @click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.6, show_default=True)
-@click.option("--top-k", type=int, default=20, show_default=True)
-@click.option("--top-p", type=float, default=0.95, show_default=True)
+@sampling_flags
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
@@ -462,6 +461,7 @@ def bench(
     temperature,
     top_k,
     top_p,
+    min_p,
     out,
 ) -> None:
     """Speed, acceptance and fidelity of each method vs plain decoding, interleaved per prompt."""
@@ -488,8 +488,14 @@ def bench(
         prompts = per_category_selection(prompts, per_category)
     prompts = prompts[:limit]
     variants = make_variants(methods, deltas, n_drafts, drafters)
-    settings = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "max_tokens": max_tokens}
-    needs_model = any(v.method != "none" and v.drafter != "lookup" for v in variants)
+    settings = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "max_tokens": max_tokens,
+    }
+    needs_model = any(defaults.needs_draft_model(v.method, v.drafter) for v in variants)
     engine = model.load("cactus" if needs_model else "none")
     with engine:
         records = run_bench(
@@ -553,6 +559,7 @@ def eval_group() -> None:
 @click.option("--offset", type=int, default=0, show_default=True)
 @click.option("--limit", type=int, default=None)
 @click.option("--max-tokens", type=int, default=512, show_default=True)
+@sampling_flags
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per test run.")
 @click.option(
     "--out",
@@ -571,16 +578,26 @@ def eval_humaneval(
     offset,
     limit,
     max_tokens,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
     timeout,
     out,
 ) -> None:
-    """HumanEval pass@1 per method at the paper's settings (temperature 0.6, top-p 0.95, top-k 20)."""
+    """HumanEval pass@1 per method (default: the paper's settings, temperature 0.6, top-p 0.95, top-k 20)."""
     from .bench import make_variants
     from .evaluate import evaluate, load_problems, report
 
     problems = load_problems(problems_file)[offset:][:limit]
     variants = make_variants(methods, deltas, [n_draft], ["model"])
-    settings = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": max_tokens}
+    settings = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "max_tokens": max_tokens,
+    }
     engine = model.load()
     with engine:
         for _ in evaluate(
@@ -615,21 +632,12 @@ def json_stats(stats) -> dict:
         "verify_ms",
         "overhead_ms",
         "kl_mean",
+        "kl_total",
         "accepted_by_position",
         "tried_by_position",
         "draft_length_histogram",
     )
     return {"n_tokens": stats.n_tokens, **{key: summary[key] for key in keys}}
-
-
-def summary_line(stats) -> str:
-    kl = f", KL {stats.kl_mean:.4f}" if stats.kl_mean is not None else ""
-    return (
-        f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
-        f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
-        f"{stats.n_verifier_calls} verifier calls{kl}, draft lengths {stats.draft_length_histogram}, "
-        f"finish: {stats.finish_reason}"
-    )
 
 
 if __name__ == "__main__":  # pragma: no cover

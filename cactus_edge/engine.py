@@ -1,331 +1,173 @@
-"""The speculative decoding engine: draft → verify → accept → roll back, streamed token by token.
+"""The speculative decoding engine: prefill, propose, verify, commit — streamed token by token.
 
-State between steps is one list, ``committed`` (prompt + every emitted token). Each model's KV cache
+State between steps is one list, ``committed`` (prompt + every accepted token). Each model's KV cache
 always holds a prefix of it; a step first feeds each model whatever committed tokens it has not
 seen (usually just the last emitted token; after a fully accepted block the draft also catches up
 on its last draft token, and after plain steps on every token it skipped), so rollback is a single
-truncate. The draft model may also be fed a lookup guess in the same batch; guessed tokens its
-samples do not follow are cut again before the step ends.
+truncate.
+
+**One exit path.** However a generation ends — end of text, stop string, length, cancel, the
+consumer closing or abandoning the stream, an exception inside a step, KeyboardInterrupt — its
+``finally`` brings both caches back to a prefix of prompt + the tokens handed to the consumer
+(tokens held back for a possible stop string and then cut are not kept), checked against
+llama.cpp's own position range, not only our mirror of it.
+
+**Concurrency contract.** One engine runs one generation at a time. A stream takes the engine when
+it starts (its first ``next()``) and gives it back on any exit; other callers wait for it, forever
+by default or up to ``timeout`` seconds, then get :class:`EngineBusy`. A thread that already holds
+an open stream of this engine and starts another gets EngineBusy at once instead of a deadlock.
+An abandoned stream gives the engine back when it is garbage-collected. ``close()`` is safe at any
+time from any thread: the running generation ends at its next step and the models are freed when
+it has let go. Tokenizing and rendering never wait for a generation and share no buffer with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .acceptance import AcceptanceRule, Cactus, make_rule, output_kl
-from .adaptive import (
-    SPECULATION_MARGIN,
-    AcceptanceTracker,
-    CostModel,
-    choose_draft_length,
-    could_pay,
-    expected_run,
-)
+from .acceptance import output_kl
+from .adaptive import CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
-from .chat import render_chat
-from .errors import ContextLengthError
+from .config import GenerationConfig
+from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal
+from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .gguf_info import check_pair_compatible, read_gguf
-from .lookup import lookup_continuation, point_mass_rows
-from .sampling import SamplingConfig, SparseProbs, process_logits, row_prob, sample_token
+from .openai_compat import chat_completion
+from .output import Output
+from .prompts import Prompts
+from .sampling import SparseProbs, process_logits, sample_token
+from .stats import GenerationResult, GenerationStats, StepStats, StreamEvent
 
-METHODS = ("cactus", "sps", "tas", "exact", "none")
-DRAFTERS = ("model", "lookup", "model+lookup")
-MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
-AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Everything that shapes one generation. Sampling settings apply to draft and target alike."""
-
-    method: str = "cactus"
-    delta: float = 1.0
-    n_draft: int | str = "auto"  # a fixed block length, or "auto": chosen per step from costs
-    drafter: str = "model"  # "model", "lookup" (prompt n-grams) or "model+lookup"
-    draft_p_min: float | None = None  # stop drafting below this draft p(d); None: 0.2 with auto
-    temperature: float = 0.6
-    top_k: int = 20
-    top_p: float = 0.95
-    min_p: float = 0.0
-    max_tokens: int = 256
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.n_draft != "auto" and (
-            isinstance(self.n_draft, bool) or not isinstance(self.n_draft, int) or not 0 <= self.n_draft <= 64
-        ):
-            raise ValueError(f"n_draft must be 'auto' or an integer in [0, 64], got {self.n_draft!r}")
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
-            raise ValueError(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        # Building these validates temperature … min_p and delta (whatever the method, so a bad
-        # delta is caught before someone switches to cactus).
-        _ = self.sampling, self.rule, Cactus(self.delta)
-
-    @property
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
-
-    @property
-    def rule(self) -> AcceptanceRule | None:
-        return None if self.method == "none" else make_rule(self.method, self.delta)
-
-    @property
-    def auto(self) -> bool:
-        return self.n_draft == "auto"
-
-    @property
-    def max_draft(self) -> int:
-        return MAX_AUTO_DRAFT if self.auto else self.n_draft
-
-    @property
-    def p_min(self) -> float:
-        if self.draft_p_min is not None:
-            return self.draft_p_min
-        return AUTO_DRAFT_P_MIN if self.auto else 0.0
-
-    @property
-    def uses_model(self) -> bool:
-        return self.method != "none" and self.drafter in ("model", "model+lookup")
+__all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
 
 
-@dataclass
-class StepStats:
-    """One verifier call. draft_ms / verify_ms are time inside llama_decode."""
+class _Guard:
+    """The engine's one-generation-at-a-time lock, with an owner (to refuse re-entry from the same
+    thread) and a callback run on release (a deferred close)."""
 
-    n_draft: int
-    n_accepted: int
-    draft_ms: float
-    verify_ms: float
-    total_ms: float
-    kl: float | None = None
-    drafter: str = "model"  # what proposed this block: "model", "lookup" or "none" (k = 0)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = threading.Lock()  # makes "is it free, or else run this on release" atomic
+        self._owner: int | None = None
+        self._on_release = None
 
+    @contextlib.contextmanager
+    def hold(self, timeout: float | None):
+        if self._owner == threading.get_ident():
+            raise EngineBusy(
+                "this thread already has an open stream of this engine; finish or close it first"
+            )
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            raise EngineBusy(f"the engine is busy with another generation (waited {timeout:g} s)")
+        self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._state:
+                self._owner = None
+                callback, self._on_release = self._on_release, None
+                try:
+                    if callback is not None:
+                        callback()
+                finally:
+                    self._lock.release()
 
-@dataclass
-class GenerationStats:
-    method: str
-    n_tokens: int = 0
-    n_prompt_tokens: int = 0
-    n_prompt_decoded: int = 0
-    n_verifier_calls: int = 0
-    n_drafted: int = 0
-    n_accepted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)
-    tried_by_position: list[int] = field(default_factory=list)
-    prefill_ms: float = 0.0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    decode_ms: float = 0.0  # all time inside generation steps (prefill excluded)
-    kl_sum: float = 0.0
-    kl_steps: int = 0
-    finish_reason: str | None = None
-    steps: list[StepStats] = field(default_factory=list)
-
-    @property
-    def acceptance_length(self) -> float:
-        """AL: accepted draft tokens per verifier call, bonus excluded (the Cactus paper's)."""
-        return self.n_accepted / self.n_verifier_calls if self.n_verifier_calls else 0.0
-
-    @property
-    def tokens_per_verifier_call(self) -> float:
-        """AL + 1 (the vLLM / Spec-Bench convention)."""
-        return self.n_tokens / self.n_verifier_calls if self.n_verifier_calls else 0.0
-
-    @property
-    def overhead_ms(self) -> float:
-        """Generation time spent outside llama_decode (sampling, rules, bookkeeping)."""
-        return max(0.0, self.decode_ms - self.draft_ms - self.verify_ms)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second of generation (prefill excluded)."""
-        return self.n_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
-
-    @property
-    def draft_length_histogram(self) -> dict[int, int]:
-        """How many verifier calls drafted k tokens, per k (what `auto` chose)."""
-        counts: dict[int, int] = {}
-        for step in self.steps:
-            counts[step.n_draft] = counts.get(step.n_draft, 0) + 1
-        return dict(sorted(counts.items()))
-
-    @property
-    def kl_mean(self) -> float | None:
-        return self.kl_sum / self.kl_steps if self.kl_steps else None
-
-    def record(self, step: StepStats, accept_probs_len: int) -> None:
-        self.steps.append(step)
-        self.n_verifier_calls += 1
-        self.n_drafted += step.n_draft
-        self.n_accepted += step.n_accepted
-        grow = step.n_draft - len(self.tried_by_position)
-        if grow > 0:
-            self.tried_by_position += [0] * grow
-            self.accepted_by_position += [0] * grow
-        for position in range(accept_probs_len):
-            self.tried_by_position[position] += 1
-            if position < step.n_accepted:
-                self.accepted_by_position[position] += 1
-        if step.kl is not None:
-            self.kl_sum += step.kl
-            self.kl_steps += 1
-
-    def summary(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k not in ("steps", "kl_sum", "kl_steps")}
-        data.update(
-            acceptance_length=self.acceptance_length,
-            tokens_per_verifier_call=self.tokens_per_verifier_call,
-            overhead_ms=self.overhead_ms,
-            tokens_per_second=self.tokens_per_second,
-            kl_mean=self.kl_mean,
-            draft_length_histogram=self.draft_length_histogram,
-        )
-        return data
+    def run_when_free(self, callback, wait: float) -> bool:
+        """Run ``callback`` holding the lock, now or within ``wait`` seconds if it is free by then;
+        otherwise when the current holder lets go. True if it ran now."""
+        if self._owner != threading.get_ident() and self._lock.acquire(timeout=max(wait, 0)):
+            try:
+                callback()
+            finally:
+                self._lock.release()
+            return True
+        with self._state:
+            if self._lock.acquire(blocking=False):
+                try:
+                    callback()
+                finally:
+                    self._lock.release()
+                return True
+            self._on_release = callback
+            return False
 
 
-@dataclass(frozen=True)
-class StreamEvent:
-    """One emitted token (or, last, the end of the stream).
+class _ForeignTokens(dict):
+    """Target ids the draft's vocabulary lacks (the target's is up to 128 tokens larger), fed to
+    the draft as the first draft token of the same text: the draft's cache keeps one position per
+    committed token, and its drafts only need to be good, not exact (SpS stays lossless)."""
 
-    text: visible text this event adds ("" while a possible stop string or an unfinished UTF-8
-        character is held back).
-    token: the token id; None on the final event.
-    from_draft: True for an accepted draft token, False for a token the target produced.
-    step: index of the verifier call that produced the token.
-    finish_reason: set on the final event only.
-    stats: the generation's running statistics (complete on the final event).
-    """
+    def __init__(self, draft: LlamaModel, target: LlamaModel) -> None:
+        super().__init__()
+        self.draft, self.target = draft, target
 
-    text: str
-    token: int | None
-    from_draft: bool = False
-    step: int = 0
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    stats: GenerationStats
-
-
-class _StopFilter:
-    """Holds back text that could be the start of a stop string; cuts at a complete one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """(text safe to show now, whether a stop string was hit)."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
-        if hits:
-            out = self.pending[: min(hits)]
-            self.pending = ""
-            return out, True
-        hold = 0
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(stop[:length]):
-                    hold = max(hold, length)
-                    break
-        out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold :]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    def __missing__(self, token: int) -> int:
+        text = self.target.detokenize([token], special=True)
+        ids = self.draft.tokenize(text, add_special=False, parse_special=True) if text else []
+        self[token] = ids[0] if ids else max(self.draft.eos_token, 0)
+        return self[token]
 
 
 class Engine:
-    """A draft/target pair (or a target alone) and the speculative decoding loop over them."""
+    """A target model and optionally a draft model, and the speculative decoding loop over them.
 
-    def __init__(
-        self,
-        draft: str | Path | None,
-        target: str | Path,
-        *,
-        n_ctx: int = 4096,
-        n_threads: int | None = None,
-        n_gpu_layers: int = 0,
-        verbose: bool = False,
-    ) -> None:
-        from .registry import resolve_model_path
+    Build one from loaded :class:`LlamaModel` objects (tests inject their own), or with
+    :meth:`load` / :meth:`from_pair`, which resolve names and paths and check the pair first
+    (:func:`load_models`).
+    """
 
-        set_verbose(verbose)
-        target_path = resolve_model_path(target)
-        target_info = read_gguf(target_path, tokens=draft is not None)
-        draft_info = None
-        if draft is not None:
-            draft_info = read_gguf(resolve_model_path(draft), tokens=True)
-            check_pair_compatible(draft_info, target_info)  # before any weights are loaded
-        self.target = LlamaModel(
-            target_path, n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, info=target_info
-        )
-        self.draft: LlamaModel | None = None
-        if draft_info is not None:
-            try:
-                self.draft = LlamaModel(
-                    draft_info.path,
-                    n_ctx=n_ctx,
-                    n_threads=n_threads,
-                    n_gpu_layers=n_gpu_layers,
-                    info=draft_info,
-                )
-            except Exception:
-                self.target.close()
-                raise
-        self._lock = threading.Lock()
-        # What `n_draft="auto"` learns, kept across generations: costs of this machine, and
-        # acceptance rates per (drafter, method, delta).
-        self.costs = CostModel()
-        self.acceptance: dict[tuple, AcceptanceTracker] = {}
+    def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
+        self.target, self.draft = target, draft
+        if draft is not None and draft.vocab_size < target.vocab_size:
+            draft.foreign_tokens = _ForeignTokens(draft, target)
+        self.prompts = Prompts(target)
+        self._guard = _Guard()
+        self._closing = threading.Event()  # set by close(): the running generation ends
+        self._closed = False
+        self.reset_estimates()
+
+    @classmethod
+    def load(cls, draft: str | Path | None, target: str | Path, **settings) -> Engine:
+        """An engine over models given by path or registered name; see :func:`load_models`."""
+        return cls(*load_models(draft, target, **settings))
 
     @classmethod
     def from_pair(cls, name: str = "default", **kwargs) -> Engine:
         from .registry import load_registry
 
         pair = load_registry().pair(name)
-        return cls(pair.draft, pair.target, **kwargs)
+        return cls.load(pair.draft, pair.target, **kwargs)
 
-    def close(self) -> None:
+    def reset_estimates(self) -> None:
+        """Forget what `n_draft="auto"` learnt: this machine's costs, and acceptance rates per
+        (drafter, method, delta). Kept across generations otherwise."""
+        self.costs = CostModel()
+        self.acceptance: dict[tuple, object] = {}
+
+    def close(self, wait: float = 5.0) -> None:
+        """Free both models. A running generation is cancelled at its next step; the models are
+        freed once it has let go (at once when idle; waiting up to ``wait`` seconds for another
+        thread's stream). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        self._guard.run_when_free(self._free_models, wait)
+
+    def _free_models(self) -> None:
         for model in (self.draft, self.target):
             if model is not None:
                 model.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> Engine:
         return self
@@ -333,28 +175,31 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- prompts -------------------------------------------------------------------------------
-
-    def _special_text(self, token: int) -> str:
-        return self.target.detokenize([token], special=True) if token >= 0 else ""
+    # --- prompts (never wait for a generation; see the concurrency contract) ---------------------
 
     def render(self, messages: list[dict[str, str]]) -> str:
-        return render_chat(
-            messages,
-            self.target.chat_template,
-            bos_token=self._special_text(self.target.bos_token),
-            eos_token=self._special_text(self.target.eos_token),
-        )
+        """The chat template's text for ``messages`` (for display; generation uses token ids)."""
+        self._check_open()
+        return self.prompts.render(messages)
+
+    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Prompt ids for a conversation: the template's markup may produce control tokens, message
+        contents never do (pasted ``<|im_start|>`` stays text)."""
+        self._check_open()
+        return self.prompts.tokenize_chat(messages)
 
     def tokenize_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
+        """Raw prompt ids; see :meth:`Prompts.tokenize_prompt`."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        bos = self._special_text(self.target.bos_token) if self.target.add_bos else ""
-        # A template that writes the BOS text itself must not get a second BOS from the tokenizer.
-        add_special = not (chat and bos and prompt.startswith(bos))
-        return self.target.tokenize(prompt, add_special=add_special, parse_special=chat)
+        self._check_open()
+        return self.prompts.tokenize_prompt(prompt, chat=chat)
 
-    # --- generation ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed")
+
+    # --- generation ------------------------------------------------------------------------------
 
     def generate(
         self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **kwargs
@@ -369,8 +214,7 @@ class Engine:
     def stream_chat(
         self, messages: list[dict[str, str]], config: GenerationConfig | None = None, **kwargs
     ) -> Iterator[StreamEvent]:
-        tokens = self.tokenize_prompt(self.render(messages), chat=True)
-        return self.stream(tokens, config, **kwargs)
+        return self.stream(self.tokenize_chat(messages), config, **kwargs)
 
     def stream(
         self,
@@ -378,39 +222,74 @@ class Engine:
         config: GenerationConfig | None = None,
         *,
         cancel: threading.Event | None = None,
+        timeout: float | None = None,
     ) -> Iterator[StreamEvent]:
-        """Stream the continuation of ``prompt`` (text, or token ids) one event per token."""
-        config = config or GenerationConfig()
-        if config.uses_model and self.draft is None:
-            raise ValueError(
-                f"drafter {config.drafter!r} needs a draft model and this engine has none; "
-                "use drafter='lookup' or method='none'"
-            )
-        prompt_tokens = self.tokenize_prompt(prompt)
-        if not prompt_tokens:
-            raise ValueError("the prompt is empty")
-        if len(prompt_tokens) >= self.target.n_ctx:
-            raise ContextLengthError(
-                f"the prompt has {len(prompt_tokens)} tokens but the context holds {self.target.n_ctx}; "
-                "shorten it or raise --n-ctx"
-            )
-        return self._run(prompt_tokens, config, cancel or threading.Event())
+        """Stream the continuation of ``prompt`` (raw text, or token ids), one event per token.
 
-    def _run(
-        self, prompt_tokens: list[int], config: GenerationConfig, cancel: threading.Event
-    ) -> Iterator[StreamEvent]:
-        with self._lock:
+        cancel: set it to end the generation at the end of the current step.
+        timeout: seconds to wait for the engine if another generation holds it (None: wait),
+            then :class:`EngineBusy`.
+        """
+        config = config or GenerationConfig()
+        self._check_open()
+        prompt_tokens = self.tokenize_prompt(prompt)
+        _check_request(config, prompt_tokens, self.target, self.draft)
+        return self._run(prompt_tokens, config, cancel or threading.Event(), timeout)
+
+    def _run(self, prompt_tokens, config, cancel, timeout) -> Iterator[StreamEvent]:
+        with self._guard.hold(timeout):
+            self._check_open()  # closed while this stream waited
             yield from _Generation(self, prompt_tokens, config, cancel).events()
 
-    # --- OpenAI-style facade -------------------------------------------------------------------
+    def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
+        """Problems with the caches, [] when consistent: llama.cpp's position range must equal
+        our mirror of each cache, and with ``expected`` (prompt + emitted tokens) each cache must
+        hold a prefix of it."""
+        models = {"target": self.target, "draft": self.draft}
+        return [
+            f"{name}: {problem}"
+            for name, model in models.items()
+            if model
+            for problem in _cache_problems(model, expected)
+        ]
+
+    # --- OpenAI-style facade -----------------------------------------------------------------------
 
     def create_chat_completion(
         self, messages: list[dict[str, str]], *, stream: bool = False, model: str = "cactus-edge", **settings
     ):
         """Same shapes as llama-cpp-python's / OpenAI's chat completions (dict, or chunk iterator)."""
-        from .openai_compat import chat_completion
-
         return chat_completion(self, messages, stream=stream, model=model, **settings)
+
+
+def load_models(
+    draft: str | Path | None,
+    target: str | Path,
+    *,
+    n_ctx: int = 4096,
+    n_threads: int | None = None,
+    n_gpu_layers: int = 0,
+    verbose: bool = False,
+) -> tuple[LlamaModel, LlamaModel | None]:
+    """(target, draft) loaded from paths or registered names. The pair is checked to share a
+    tokenizer before any weights are loaded; a failure frees whatever was loaded."""
+    from .registry import resolve_model_path
+
+    set_verbose(verbose)
+    target_path = resolve_model_path(target)
+    target_info = read_gguf(target_path, tokens=draft is not None)
+    draft_info = None
+    if draft is not None:
+        draft_info = read_gguf(resolve_model_path(draft), tokens=True)
+        check_pair_compatible(draft_info, target_info)
+    settings = {"n_ctx": n_ctx, "n_threads": n_threads, "n_gpu_layers": n_gpu_layers}
+    target_model = LlamaModel(target_path, info=target_info, **settings)
+    try:
+        draft_model = LlamaModel(draft_info.path, info=draft_info, **settings) if draft_info else None
+    except BaseException:
+        target_model.close()
+        raise
+    return target_model, draft_model
 
 
 def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
@@ -425,28 +304,38 @@ def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
 
 
 class _Generation:
-    """One call of Engine.stream: the loop and its bookkeeping."""
+    """One call of Engine.stream: prefill, then propose → verify → commit until a finish."""
 
-    def __init__(
-        self, engine: Engine, prompt_tokens: list[int], config: GenerationConfig, cancel: threading.Event
-    ) -> None:
-        self.engine = engine
-        self.target = engine.target
+    def __init__(self, engine: Engine, prompt_tokens: list[int], config: GenerationConfig, cancel) -> None:
+        self.engine, self.target, self.config, self.cancel = engine, engine.target, config, cancel
         self.draft = engine.draft if config.uses_model else None
-        self.config, self.cancel = config, cancel
-        self.sampling = config.sampling
-        self.rule = config.rule
+        self.sampling, self.rule = config.sampling, config.rule
         self.rng = np.random.default_rng(config.seed)
         self.committed = list(prompt_tokens)
-        self.stats = GenerationStats(method=config.method, n_prompt_tokens=len(prompt_tokens))
-        self.detokenizer = Detokenizer(self.target)
-        self.stop_filter = _StopFilter(config.stop)
+        self.n_prompt = len(prompt_tokens)
         self.n_generated = 0
-        self.probing: tuple | None = None  # (tracker, draft cost, room) when this step is a probe
-        self.guess: list[int] = []  # this step's lookup guess for the draft model
+        lossy = self.rule is not None and not self.rule.lossless
+        self.stats = GenerationStats(method=config.method, lossy=lossy, n_prompt_tokens=len(prompt_tokens))
+        self.output = Output(Detokenizer(self.target), config.stop, self.stats)
+        self.planner = DraftPlanner(config, engine.costs, engine.acceptance)
+        model = None
+        if self.draft is not None:
+            model = ModelDrafter(self.draft, self.target.vocab_size, config, self.rng, engine.costs)
+        lookup = LookupDrafter(self.target.vocab_size)
+        self.drafter = FallbackDrafter(config.drafter, self.planner, model, lookup)
 
     def models(self) -> list[LlamaModel]:
         return [m for m in (self.target, self.draft) if m is not None]
+
+    def events(self) -> Iterator[StreamEvent]:
+        try:
+            self.prefill()
+            finish = yield from self.decode_loop()
+            held, final = self.output.finish(finish, stopped_by_string=finish == "stop-string")
+            yield from self.output.shown_events(held)
+            yield final
+        finally:
+            self.settle()
 
     def prefill(self) -> None:
         """Bring every cache to committed[:-1], reusing the longest common prefix it holds."""
@@ -461,49 +350,37 @@ class _Generation:
                 model.decode(missing, output_rows=())
         self.stats.prefill_ms = (time.perf_counter() - start) * 1000
 
-    def events(self) -> Iterator[StreamEvent]:
-        self.prefill()
-        finish = None
-        stopped_by_string = False
-        try:
-            while finish is None:
-                if self.cancel.is_set():
-                    finish = "cancelled"
-                    break
-                if len(self.committed) > self.target.n_ctx:
-                    finish = "length"
-                    break
-                emitted, from_draft = self.step()
-                for token, drafted in zip(emitted, from_draft, strict=True):
-                    self.n_generated += 1
-                    if self.target.is_end_of_generation(token):
-                        finish = "stop"
-                        break
-                    text, stopped_by_string = self.stop_filter.push(self.detokenizer.add(token))
-                    self.stats.n_tokens += 1
-                    yield StreamEvent(text, token, drafted, self.stats.n_verifier_calls - 1, stats=self.stats)
-                    if stopped_by_string:
-                        finish = "stop"
-                        break
-                    if self.n_generated >= self.config.max_tokens:
-                        finish = "length"
-                        break
-            self.roll_back_to_committed()
-        except GeneratorExit:  # the consumer closed the stream: leave caches consistent
-            self.roll_back_to_committed()
-            raise
-        self.stats.finish_reason = finish
-        tail = ""
-        if not stopped_by_string:  # release held-back text: no stop string completed it
-            tail, stopped_by_string = self.stop_filter.push(self.detokenizer.flush())
-            tail += "" if stopped_by_string else self.stop_filter.flush()
-        yield StreamEvent(tail, None, finish_reason=finish, stats=self.stats)
+    def decode_loop(self):
+        """Steps until a finish; yields the events it hands out, returns the finish reason."""
+        while True:
+            if self.cancel.is_set() or self.engine._closing.is_set():
+                return "cancelled"
+            if len(self.committed) > self.target.n_ctx:
+                return "length"
+            emitted, from_draft = self.step()
+            for token, drafted in zip(emitted, from_draft, strict=True):
+                self.n_generated += 1
+                if self.target.is_end_of_generation(token):
+                    return "stop"
+                ready, hit = self.output.push(token, drafted, self.stats.n_verifier_calls - 1)
+                yield from self.output.shown_events(ready)
+                if hit:
+                    return "stop-string"
+                if self.n_generated >= self.config.max_tokens:
+                    return "length"
 
-    def roll_back_to_committed(self) -> None:
-        """Caches may hold tokens past what was emitted (a stop inside a block): cut them."""
-        for model in self.models():
-            if model.n_past > len(self.committed):
-                model.truncate(len(self.committed))
+    def settle(self) -> None:
+        """The one exit path: each cache keeps at most prompt + shown tokens, and llama.cpp holds
+        exactly what our mirror says. Never raises (it runs while an error may propagate)."""
+        self.committed = self.committed[: self.n_prompt] + self.output.shown
+        # Every model, also a draft this generation did not use: no cache keeps another text.
+        for model in (m for m in (self.engine.target, self.engine.draft) if m is not None):
+            try:
+                model.truncate(min(_common_prefix(model.tokens, self.committed), model.n_past))
+                model.sync_cache()
+            except Exception:  # a broken backend: an empty cache is still a consistent one
+                with contextlib.suppress(Exception):
+                    model.reset()
 
     def draft_room(self) -> int:
         """The longest block that fits the context and the max_tokens budget."""
@@ -513,152 +390,60 @@ class _Generation:
         room_in_budget = self.config.max_tokens - self.n_generated - 1
         return max(0, min(self.config.max_draft, room_in_context, room_in_budget))
 
-    def tracker(self, drafter: str) -> AcceptanceTracker:
-        key = (drafter, self.config.method, self.config.delta)
-        if key not in self.engine.acceptance:
-            self.engine.acceptance[key] = AcceptanceTracker(MAX_AUTO_DRAFT)
-        return self.engine.acceptance[key]
-
-    def plan(self, room: int, drafter: str, guess: Sequence[int] = ()) -> int:
-        """How many tokens to draft this step. drafter: "lookup", "model", or "model/guided" (the
-        draft model with a lookup guess to batch along; its acceptance is tracked apart, as
-        text that repeats earlier text is easier for both models, and also learnt from plain
-        steps: did the target follow the guess?).
-
-        Resuming drafting after k = 0 steps first feeds the draft every token it skipped. That
-        catch-up is charged spread over the drafting run it is expected to start (geometric in
-        the first-position acceptance): in copied code it is nearly free, in prose a resumption
-        on a stray 2-gram match must pay for all of it. A probe is only made when it could pay
-        at full acceptance with the whole catch-up counted.
-        """
-        if not self.config.auto or room == 0:
-            return room
-        costs = self.engine.costs
-        if not costs.verify or (drafter != "lookup" and not costs.draft):
-            return min(room, 4)  # measure something first
-        tracker = self.tracker(drafter)
-        draft_ms = self.draft_cost(drafter, len(guess), expected_run(tracker.rates[0]))
-        k = choose_draft_length(tracker.rates, draft_ms, costs.verify_ms, room, SPECULATION_MARGIN)
-        probe_k = min(room, max(k + 1, 2))
-        probe_ms = self.draft_cost(drafter, len(guess), run_tokens=0.0)
-        if tracker.should_probe() and could_pay(probe_k, probe_ms, costs.verify_ms, SPECULATION_MARGIN):
-            self.probing = (tracker, draft_ms, room)
-            k = probe_k
-        return k
-
-    def draft_cost(self, drafter: str, n_guided: int, run_tokens: float):
-        """k → estimated ms to draft k tokens with this drafter, catch-up spread over a run of
-        run_tokens tokens."""
-        if drafter == "lookup":
-            return lambda k: 0.0  # a lookup costs no decode
-        n_catch_up = len(self.committed) - 1 - self.draft.n_past
-        return lambda k: self.engine.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
-
-    def end_probe(self) -> None:
-        """After a probe's verification: did it turn speculation back on?"""
-        tracker, draft_ms, room = self.probing
-        verify_ms = self.engine.costs.verify_ms
-        next_k = choose_draft_length(tracker.rates, draft_ms, verify_ms, room, SPECULATION_MARGIN)
-        tracker.record_probe(paid=next_k > 0)
-        self.probing = None
-
     def step(self) -> tuple[list[int], list[bool]]:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
         step_start = time.perf_counter()
-        draft_tokens, draft_rows, draft_ms, drafter = self.propose(self.draft_room())
-        n_draft = len(draft_tokens)
-        verify_start = time.perf_counter()
-        feed = self.committed[self.target.n_past :] + draft_tokens
-        target_logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)))
-        verify_ms = (time.perf_counter() - verify_start) * 1000
+        proposal = self.drafter.propose(self.committed, self.draft_room())
+        target_rows, verify_ms = self.verify(proposal)
+        emitted, n_accepted, acceptance_probs, kl = self.decide(proposal, target_rows)
+        self.planner.learn(proposal, acceptance_probs, emitted[0])
+        self.commit(emitted, n_accepted)
+        total_ms = (time.perf_counter() - step_start) * 1000
+        n_draft = len(proposal.tokens)
+        step = StepStats(
+            n_draft,
+            n_accepted,
+            proposal.draft_ms,
+            verify_ms,
+            total_ms,
+            kl,
+            proposal.label,
+            len(acceptance_probs),
+        )
+        self.stats.draft_ms += proposal.draft_ms
+        self.stats.verify_ms += verify_ms
+        self.stats.decode_ms += total_ms
+        self.stats.record(step)
+        return emitted, [True] * n_accepted + [False]
+
+    def verify(self, proposal: Proposal):
+        """One target decode of the unseen committed tokens + the drafts; processed rows for the
+        k + 1 positions that score the drafts and the bonus."""
+        n_draft = len(proposal.tokens)
+        feed = self.committed[self.target.n_past :] + proposal.tokens
+        start = time.perf_counter()
+        logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)))
+        verify_ms = (time.perf_counter() - start) * 1000
         self.engine.costs.record_verify(len(feed), verify_ms)
-        target_rows = process_logits(target_logits, self.sampling)
-        kl = None
-        if n_draft == 0:
-            emitted = [sample_token(target_rows[0], self.rng)]
-            n_accepted, n_decided = 0, 0
-            if drafter == "model/guided":
-                self.tracker(drafter).record_lookup_outcome(emitted[0] == self.guess[0])
-        else:
-            verdict = self.rule.verify(np.array(draft_tokens), draft_rows, target_rows, self.rng)
-            n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
-            emitted = [*draft_tokens[:n_accepted], verdict.next_token]
-            kl = self.fidelity(draft_rows, target_rows, n_decided)
-            self.tracker(drafter).record(verdict.acceptance_probs)
-        if self.probing is not None:
-            self.end_probe()
+        return process_logits(logits, self.sampling), verify_ms
+
+    def decide(self, proposal: Proposal, target_rows):
+        """(emitted tokens, n_accepted, the rule's acceptance probabilities, mean KL or None)."""
+        if not proposal.tokens:
+            return [sample_token(target_rows[0], self.rng)], 0, (), None
+        verdict = self.rule.verify(np.array(proposal.tokens), proposal.rows, target_rows, self.rng)
+        n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
+        emitted = [*proposal.tokens[:n_accepted], verdict.next_token]
+        kl = self.fidelity(proposal.rows, target_rows, n_decided)
+        return emitted, n_accepted, verdict.acceptance_probs, kl
+
+    def commit(self, emitted: list[int], n_accepted: int) -> None:
+        """Append the emitted tokens; cut rejected drafts from both caches."""
+        base = len(self.committed)
         self.committed += emitted
-        base = len(self.committed) - len(emitted)
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
-        total_ms = (time.perf_counter() - step_start) * 1000
-        label = drafter.split("/")[0] if n_draft else "none"
-        step = StepStats(n_draft, n_accepted, draft_ms, verify_ms, total_ms, kl, label)
-        self.stats.draft_ms += draft_ms
-        self.stats.verify_ms += verify_ms
-        self.stats.decode_ms += total_ms
-        self.stats.record(step, n_decided)
-        return emitted, [True] * n_accepted + [False]
-
-    def propose(self, room: int) -> tuple[list[int], list, float, str]:
-        """Draft up to ``room`` tokens: (tokens, their draft rows, ms in llama_decode, drafter)."""
-        if room == 0:
-            return [], [], 0.0, "none"
-        if self.config.drafter in ("lookup", "model+lookup"):
-            n_lookup = self.plan(room, "lookup")
-            tokens = lookup_continuation(self.committed, n_lookup) if n_lookup else []
-            if tokens or self.config.drafter == "lookup":
-                return tokens, point_mass_rows(tokens, self.target.vocab_size), 0.0, "lookup"
-        guess = self.guess = lookup_continuation(self.committed, room - 1)
-        drafter = "model/guided" if guess else "model"
-        n_draft = self.plan(room, drafter, guess)
-        tokens, rows, ms = self.sample_draft(n_draft, guess)
-        return tokens, rows, ms, drafter
-
-    def sample_draft(self, n_draft: int, guess: Sequence[int] = ()) -> tuple[list[int], list, float]:
-        """Sample up to n_draft tokens from the draft model, keeping every processed row; stops
-        early when the draft's own p(d) falls below p_min.
-
-        Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
-        batch decode of [unseen committed tokens] + guess yields the draft's row after each guessed
-        token, and row i+1 is the draft's true conditional for as long as the sampled tokens equal
-        the guess. So the drafts have exactly the distribution of token-by-token drafting, at the
-        cost of one batch (on a CPU, 4 rows of the 0.5B draft cost about 2 single decodes).
-        """
-        tokens: list[int] = []
-        rows = []
-        decode_ms = 0.0
-        base = len(self.committed)
-        pending = self.committed[self.draft.n_past :]
-        guided = list(guess[: max(n_draft - 1, 0)])
-        while len(tokens) < n_draft:
-            feed = pending + guided
-            start = time.perf_counter()
-            logits = self.draft.decode(feed, output_rows=range(len(pending) - 1, len(feed)))
-            elapsed = (time.perf_counter() - start) * 1000
-            decode_ms += elapsed
-            self.engine.costs.record_draft(len(feed), elapsed)
-            n_before, n_followed = len(tokens), 0
-            for index in range(len(guided) + 1):
-                row = process_logits(logits[index], self.sampling)
-                token = sample_token(row, self.rng)
-                if self.config.p_min and row_prob(row, token) < self.config.p_min:
-                    n_draft = len(tokens)  # such tokens are rarely accepted: verify what we have
-                    break
-                tokens.append(token)
-                rows.append(row)
-                if index == len(guided) or token != guided[index]:
-                    break  # the rows after this one are conditioned on a token we did not draw
-                n_followed += 1
-                if len(tokens) == n_draft:
-                    break
-            # The cache must hold committed + drafts only: drop guessed tokens no draft followed.
-            keep = base + n_before + n_followed
-            if self.draft.n_past > keep:
-                self.draft.truncate(keep)
-            pending, guided = tokens[-1:], []
-        return tokens, rows, decode_ms
 
     def fidelity(self, draft_rows: list, target_rows, n_decided: int) -> float | None:
         """Mean KL(out ‖ target) over the positions decided this step (lossy rules, sparse rows)."""
@@ -666,3 +451,41 @@ class _Generation:
             return 0.0 if self.rule.lossless else None
         values = [output_kl(self.rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
         return float(np.mean(values)) if values else None
+
+
+def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:
+    """Refuse what cannot run, before the generation takes the engine."""
+    if config.uses_model and draft is None:
+        raise InvalidSettingError(
+            f"drafter {config.drafter!r} needs a draft model and this engine has none; "
+            "use drafter='lookup' or method='none'",
+            param="drafter",
+        )
+    if not prompt_tokens:
+        raise InvalidSettingError("the prompt is empty", param="prompt")
+    if any(not 0 <= t < target.vocab_size for t in prompt_tokens):
+        raise InvalidSettingError(f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
+    if len(prompt_tokens) >= target.n_ctx:
+        raise ContextLengthError(
+            f"the prompt has {len(prompt_tokens)} tokens but the context holds {target.n_ctx}; "
+            "shorten it or raise --n-ctx"
+        )
+
+
+def _cache_problems(model: LlamaModel, expected: Sequence[int] | None) -> list[str]:
+    problems = []
+    low, high = model.cache_range()
+    if (low, high) != ((0, model.n_past - 1) if model.n_past else (-1, -1)):
+        problems.append(f"llama.cpp holds positions {low}..{high}, our mirror {model.n_past} tokens")
+    if expected is not None and list(expected[: model.n_past]) != model.tokens:
+        problems.append(f"the cache is not a prefix of the {len(expected)} expected tokens")
+    return problems
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

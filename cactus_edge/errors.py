@@ -9,6 +9,27 @@ class CactusEdgeError(Exception):
     exit_code = 1
 
 
+class InvalidSettingError(CactusEdgeError, ValueError):
+    """A generation setting out of range or of the wrong type; the message names the parameter."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnsupportedParameterError(InvalidSettingError):
+    """An OpenAI request parameter that would change the meaning of the request if it were
+    ignored (``n > 1``, ``logprobs``, ``tools``, …); ``param`` names it."""
+
+
+class MissingDependencyError(CactusEdgeError):
+    """An optional extra that this command needs is not installed; the message says which."""
+
+    exit_code = 2
+
+
 class ModelNotFoundError(CactusEdgeError):
     """A model path that does not exist."""
 
@@ -63,5 +84,23 @@ class IntegrityError(FetchError):
 
 class BackendError(CactusEdgeError):
     """llama.cpp refused an operation (load, decode, cache truncation)."""
+
+    exit_code = 6
+
+
+class NonFiniteLogitsError(BackendError):
+    """llama.cpp returned NaN or infinite logits (a broken model file or backend); the message
+    names the model and the row."""
+
+
+class EngineBusy(CactusEdgeError):
+    """The engine is generating for another caller and did not become free within the timeout,
+    or this thread already holds an open stream of the same engine."""
+
+    exit_code = 7
+
+
+class EngineClosedError(CactusEdgeError):
+    """The engine was closed; its models are freed."""
 
     exit_code = 6

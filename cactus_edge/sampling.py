@@ -25,6 +25,8 @@ __all__ = [
     "row_support",
     "row_prob",
     "to_dense",
+    "fit_logits_to_vocab",
+    "widen_row",
 ]
 
 
@@ -100,6 +102,28 @@ ProbRows = np.ndarray | SparseProbs
 
 def to_dense(rows: ProbRows) -> np.ndarray:
     return rows.to_dense() if isinstance(rows, SparseProbs) else np.asarray(rows, dtype=np.float64)
+
+
+def fit_logits_to_vocab(logits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The draft's logits restricted to the target's first ``vocab_size`` ids (a view, no copy).
+
+    Pairs may differ by a few tokens at the end of the vocabulary (SPEC): ids the target lacks are
+    dropped before processing, so the draft never proposes them and its distribution is
+    renormalised over the ids both models share. logits: (..., V_draft) → (..., min(V_draft, V)).
+    """
+    return logits[..., :vocab_size] if logits.shape[-1] > vocab_size else logits
+
+
+def widen_row(row: ProbRows, vocab_size: int) -> ProbRows:
+    """One processed row over a smaller vocabulary, as a row over ``vocab_size`` ids: the ids it
+    lacks get probability 0, so draft and target rows live on the same index set."""
+    if isinstance(row, SparseProbs):
+        if row.vocab_size == vocab_size:
+            return row
+        return SparseProbs(row.token_ids, row.probs, vocab_size)
+    if row.shape[-1] == vocab_size:
+        return row
+    return np.pad(row, (0, vocab_size - row.shape[-1]))
 
 
 def row_support(row: ProbRows) -> tuple[np.ndarray, np.ndarray]:

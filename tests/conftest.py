@@ -15,6 +15,48 @@ from .tiny_gguf import BASE_WORDS, write_tiny_llama
 
 # Same size as the tiny pair's vocabulary, different token order: only the texts differ.
 MISMATCH_WORDS = tuple(reversed(BASE_WORDS))
+# 20 words (40 tokens: "▁word" and "word") appended to the vocabulary: a pair whose sizes differ
+# at the end, as Qwen2.5-0.5B (151,936) and Qwen2.5-7B (152,064) do.
+EXTRA_WORDS = tuple(
+    [
+        "alpha",
+        "beta",
+        "gamma",
+        "epsilon",
+        "zeta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "omega",
+        "sigma",
+        "upsilon",
+        "omicron",
+        "quark",
+        "lepton",
+        "boson",
+        "gluon",
+        "photon",
+        "neutrino",
+        "muon",
+    ]
+)
+EMBEDDING_ROWS = 800  # ≥ both vocabularies: shared ids get the same weights in both sizes
+
+
+def _vocab_pair(folder: Path, draft_words, target_words, name: str) -> tuple[Path, Path]:
+    draft = write_tiny_llama(
+        folder / f"{name}-draft.gguf", seed=1, words=draft_words, embedding_rows=EMBEDDING_ROWS
+    )
+    target = write_tiny_llama(
+        folder / f"{name}-target.gguf",
+        seed=2,
+        base_seed=1,
+        noise=0.2,
+        words=target_words,
+        embedding_rows=EMBEDDING_ROWS,
+    )
+    return draft, target
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +76,26 @@ def tiny_pair(tiny_dir) -> tuple[Path, Path]:
 def tiny_args(tiny_pair) -> list[str]:
     """CLI flags that select the tiny pair."""
     return ["--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1]), "--n-ctx", "512"]
+
+
+@pytest.fixture(scope="session")
+def tiny_larger_target(tiny_dir) -> tuple[Path, Path]:
+    """(draft, target): the target's vocabulary is the draft's plus 40 tokens at the end."""
+    return _vocab_pair(tiny_dir, BASE_WORDS, BASE_WORDS + EXTRA_WORDS, "larger-target")
+
+
+@pytest.fixture(scope="session")
+def tiny_larger_draft(tiny_dir) -> tuple[Path, Path]:
+    """(draft, target): the draft's vocabulary is the target's plus 40 tokens at the end."""
+    return _vocab_pair(tiny_dir, BASE_WORDS + EXTRA_WORDS, BASE_WORDS, "larger-draft")
+
+
+@pytest.fixture(scope="session")
+def tiny_nan_target(tiny_dir) -> Path:
+    """The tiny target with one output row of NaN weights: every logit row holds a NaN."""
+    return write_tiny_llama(
+        tiny_dir / "tiny-nan-target.gguf", seed=2, base_seed=1, noise=0.2, nan_output_row=300
+    )
 
 
 @pytest.fixture(scope="session")

@@ -108,6 +108,7 @@ RULES = [
 ]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", RULES, ids=repr)
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_empirical_output_matches_oracle(rule, sparse):
@@ -123,6 +124,7 @@ def test_empirical_output_matches_oracle(rule, sparse):
     [(WrongResidualSpS(), SpeculativeSampling()), (CactusSwappedResidual(0.25), Cactus(0.25))],
     ids=["sps-wrong-residual", "cactus-swapped-residual"],
 )
+@pytest.mark.statistical
 def test_the_same_test_catches_a_broken_rule(broken, oracle_rule):
     rng = np.random.default_rng(99)
     draft_row, target_row = random_pair(rng, vocab_size=12)
@@ -131,6 +133,7 @@ def test_the_same_test_catches_a_broken_rule(broken, oracle_rule):
     assert chi_square_pvalue(counts, expected) < ALPHA
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", [SpeculativeSampling(), ExactMatch(), Cactus(0.0)], ids=repr)
 def test_lossless_rules_reproduce_the_target(rule):
     rng = np.random.default_rng(5)
@@ -143,6 +146,7 @@ def test_lossless_rules_reproduce_the_target(rule):
     assert chi_square_pvalue(lossy_counts, target_row) < ALPHA
 
 
+@pytest.mark.statistical
 def test_two_positions_and_bonus_follow_the_target_under_sps():
     """Joint law of the first two emitted tokens with k = 2 (fixed rows): q0 ⊗ q1 under SpS."""
     rng = np.random.default_rng(11)
@@ -278,6 +282,7 @@ def test_greedy_rows_reduce_every_rule_to_exact_match(rule):
         assert verdict.next_token == target_argmax[expected_n]
 
 
+@pytest.mark.statistical
 def test_point_mass_draft_accepts_with_target_or_raised_probability():
     """A prompt-lookup proposal is a one-entry sparse row: SpS accepts with q(d), Cactus with h(d)."""
     vocab_size = 9

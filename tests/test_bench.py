@@ -116,3 +116,33 @@ def test_lookup_only_bench_loads_no_draft_model(tiny_args, tmp_path):
         *["--limit", "1", "--max-tokens", "8"],
     )
     assert set(data["summary"]) == {"none", "sps k=3 [lookup]"}
+
+
+def test_each_variant_keeps_its_own_auto_estimates():
+    """An `auto` variant must not learn from the variant run before it on the same prompt: each
+    variant sees its own costs and acceptance rates, the same ones on every prompt."""
+    from cactus_edge.bench import run_bench
+    from cactus_edge.stats import GenerationResult, GenerationStats
+
+    class RecordingEngine:
+        draft = object()
+
+        def __init__(self):
+            self.costs, self.acceptance, self.seen = None, None, []
+
+        def chat(self, messages, config):
+            self.seen.append((config.n_draft, id(self.costs), id(self.acceptance)))
+            self.acceptance = {**(self.acceptance or {}), "learnt": config.n_draft}  # what a run learns
+            stats = GenerationStats(method=config.method, n_tokens=1, decode_ms=1.0)
+            return GenerationResult("x", [1], "length", stats)
+
+    engine = RecordingEngine()
+    prompts = [{"prompt": "a", "category": "c"}, {"prompt": "b", "category": "c"}]
+    variants = make_variants(["sps"], [], [4, "auto"], ["model"])
+    run_bench(engine, prompts, variants, {"max_tokens": 4})
+    runs = engine.seen[1:]  # after the warm-up
+    by_variant = {}
+    for n_draft, costs, _ in runs:
+        by_variant.setdefault(n_draft, set()).add(costs)
+    assert len(by_variant[4]) == 1 and len(by_variant["auto"]) == 1
+    assert by_variant[4] != by_variant["auto"]

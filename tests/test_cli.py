@@ -117,3 +117,39 @@ def test_pair_and_explicit_models_are_refused_before_loading(runner, tiny_pair, 
     result = runner.invoke(main, [*command, "--pair", "default", "--draft", str(tiny_pair[0])])
     assert result.exit_code == 2
     assert "use --pair, or --draft/--target, not both" in result.output
+
+
+def test_an_internal_error_is_not_reported_as_bad_input(runner, tiny_pair, monkeypatch):
+    from cactus_edge.engine import Engine
+
+    def broken(*args, **kwargs):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(Engine, "stream_chat", broken)
+    result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("internal error: TypeError: unsupported operand")
+    assert "bad input" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_summary_line_prints_no_negative_zero_and_no_kl_for_lossless_runs():
+    from cactus_edge.stats import GenerationStats, StepStats, summary_line
+
+    lossy = GenerationStats(method="cactus", lossy=True)
+    lossy.record(StepStats(4, 4, 1.0, 1.0, 2.0, kl=-1e-18, n_decided=4))  # rounding below zero
+    assert "KL 0.0000" in summary_line(lossy) and "-0.0000" not in summary_line(lossy)
+    exact = GenerationStats(method="sps", lossy=False)
+    exact.record(StepStats(4, 2, 1.0, 1.0, 2.0, kl=0.0, n_decided=3))
+    assert "KL" not in summary_line(exact)
+    plain = GenerationStats(method="none")
+    plain.record(StepStats(0, 0, 0.0, 1.0, 1.0, drafter="none"))
+    assert "KL" not in summary_line(plain) and "draft lengths" not in summary_line(plain)
+
+
+def test_generate_prints_no_kl_for_a_lossless_method(runner, tiny_pair):
+    result = runner.invoke(
+        main, ["generate", "hi", *pair_args(tiny_pair), "--method", "sps", "--max-tokens", "8"]
+    )
+    assert result.exit_code == 0
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("[sps] ") and "KL" not in summary

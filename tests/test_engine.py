@@ -19,7 +19,7 @@ FLIP_MARGIN = 2e-2
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    with Engine(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
         yield engine
 
 
@@ -97,6 +97,7 @@ def test_no_stale_cache_after_partial_acceptance(engine, tiny_pair):
     assert_caches_fresh(engine, tiny_pair)
 
 
+@pytest.mark.statistical
 def test_first_tokens_follow_the_target_distribution_under_sps(engine, target_alone):
     """End to end: over many seeds, the first generated token under SpS with drafting active
     follows the target's own processed distribution (chi-square, p > 0.001)."""
@@ -157,7 +158,7 @@ def test_max_tokens_is_exact_with_speculation(engine, max_tokens):
 
 
 def test_context_exhaustion_ends_with_length(tiny_pair):
-    with Engine(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=48) as small:
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=48) as small:
         prompt = small.tokenize_prompt(PROMPT)
         result = small.generate(
             prompt,
@@ -219,7 +220,7 @@ def test_multi_turn_decodes_only_the_new_suffix(engine):
 
 def test_incompatible_pair_is_refused_before_loading(tiny_pair, tiny_mismatch):
     with pytest.raises(IncompatiblePairError, match="differs"):
-        Engine(str(tiny_pair[0]), str(tiny_mismatch), n_ctx=128)
+        Engine.load(str(tiny_pair[0]), str(tiny_mismatch), n_ctx=128)
 
 
 def test_statistics_are_consistent(engine):
@@ -292,6 +293,7 @@ def test_greedy_equivalence_for_every_drafter_and_draft_policy(engine, target_al
     assert plain.tokens == spec.tokens
 
 
+@pytest.mark.statistical
 def test_lookup_drafter_keeps_sps_lossless(engine, target_alone):
     """First token under SpS with prompt-lookup proposals follows the target's distribution."""
     sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
@@ -319,7 +321,7 @@ def test_lookup_drafter_keeps_sps_lossless(engine, target_alone):
 
 
 def test_lookup_needs_no_draft_model(tiny_pair):
-    with Engine(None, str(tiny_pair[1]), n_ctx=256) as target_only:
+    with Engine.load(None, str(tiny_pair[1]), n_ctx=256) as target_only:
         result = target_only.generate(
             REPETITIVE, GenerationConfig(drafter="lookup", temperature=0.0, max_tokens=20)
         )
@@ -336,11 +338,20 @@ def test_auto_records_costs_and_reports_chosen_lengths(engine):
     assert all(0 <= k <= 12 for k in histogram)
 
 
-def _drafting(engine, prompt_tokens, **settings):
+class _Drafting:
     """A generation brought up to its first draft: caches hold the prompt minus its last token."""
-    generation = _Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading.Event())
-    generation.prefill()
-    return generation
+
+    def __init__(self, engine, prompt_tokens, **settings):
+        self.generation = _Generation(
+            engine, list(prompt_tokens), GenerationConfig(**settings), threading.Event()
+        )
+        self.generation.prefill()
+
+    def sample_draft(self, n_draft, guess=()):
+        return self.generation.drafter.model.sample(self.generation.committed, n_draft, guess)
+
+
+_drafting = _Drafting
 
 
 def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(engine, monkeypatch):
@@ -365,6 +376,7 @@ def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(en
     assert engine.draft.tokens == (prompt_tokens + tokens)[: engine.draft.n_past]
 
 
+@pytest.mark.statistical
 def test_guided_drafts_follow_the_draft_models_joint_distribution(engine):
     """(d1, d2) drawn along a guess vs the draft's exact two-step law, chi-square over 3,000 seeds."""
     sampling = {"temperature": 1.0, "top_k": 4, "top_p": 1.0}

@@ -30,7 +30,7 @@ def test_backend_on_a_real_quantised_model(smollm2_path):
 
 def test_greedy_speculation_equals_plain_on_smollm2(smollm2_path):
     """SmolLM2 drafting for itself: every greedy draft is accepted, text identical to plain."""
-    with Engine(str(smollm2_path), str(smollm2_path), n_ctx=1024) as engine:
+    with Engine.load(str(smollm2_path), str(smollm2_path), n_ctx=1024) as engine:
         messages = [{"role": "user", "content": "List three prime numbers."}]
         greedy = {"temperature": 0.0, "max_tokens": 40}
         plain = engine.chat(messages, GenerationConfig(method="none", **greedy))

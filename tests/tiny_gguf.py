@@ -62,11 +62,17 @@ def write_tiny_llama(
     n_ctx_train: int = 512,
     logit_scale: float = 0.5,
     chat_template: str | None = CHATML_TEMPLATE,
+    embedding_rows: int | None = None,
+    nan_output_row: int | None = None,
 ) -> Path:
     """Write a tiny llama GGUF; returns its path.
 
     With ``base_seed`` the weights are those of the ``base_seed`` model plus ``noise`` × fresh
     Gaussian noise (drawn from ``seed``): a target close to its draft, so drafts are often accepted.
+    ``embedding_rows`` (≥ the vocabulary) draws the embedding and output matrices with that many
+    rows and keeps the first ones, so models whose vocabularies differ only at the end share the
+    weights of every shared token. ``nan_output_row`` poisons one output row: that token's logit
+    is NaN at every position (a broken model file).
     """
     path = Path(path)
     tokens, scores, types = spm_vocab(words)
@@ -105,9 +111,13 @@ def write_tiny_llama(
         writer.add_chat_template(chat_template)
 
     projection = 1.0 / np.sqrt(n_embd)
-    writer.add_tensor("token_embd.weight", weight(n_vocab, n_embd, std=1.0))
+    rows = max(embedding_rows or n_vocab, n_vocab)
+    writer.add_tensor("token_embd.weight", weight(rows, n_embd, std=1.0)[:n_vocab].copy())
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, n_embd, std=logit_scale))
+    output = weight(rows, n_embd, std=logit_scale)[:n_vocab].copy()
+    if nan_output_row is not None:
+        output[nan_output_row] = np.nan
+    writer.add_tensor("output.weight", output)
     for layer in range(n_layer):
         prefix = f"blk.{layer}"
         writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))

@@ -65,6 +65,11 @@ class AssistantMessage(Vertical):
             self.reply.pieces.append((text, from_draft))
             self.refresh_content()
 
+    def show_reply(self, reply: Reply) -> None:
+        """Show this reply instead: the whole of it, when pieces were still on their way here."""
+        self.reply = reply
+        self.refresh_content()
+
     def refresh_content(self) -> None:
         if self.acceptance_view:
             self.query_one(".tokens", Static).update(self.reply.styled())

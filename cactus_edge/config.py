@@ -1,0 +1,130 @@
+"""What shapes one generation, defined once: method and drafter names, sampling defaults, and
+:class:`GenerationConfig`. Imports numpy-only modules, never llama.cpp, so the TUI, the CLI's
+option parsing and the OpenAI-shaped layer can use it without loading a model library."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from .acceptance import AcceptanceRule, Cactus, make_rule
+from .errors import InvalidSettingError
+from .sampling import SamplingConfig
+
+METHODS = ("cactus", "sps", "tas", "exact", "none")
+LOSSLESS_METHODS = ("sps", "exact", "none")
+DRAFTERS = ("model", "lookup", "model+lookup")
+DEFAULT_METHOD = "cactus"
+DEFAULT_DELTA = 1.0
+DEFAULT_DRAFTER = "model"
+# The paper's sampling settings.
+DEFAULT_TEMPERATURE = 0.6
+DEFAULT_TOP_K = 20
+DEFAULT_TOP_P = 0.95
+DEFAULT_MIN_P = 0.0
+MAX_DRAFT = 64  # the longest fixed block accepted
+MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
+AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
+
+
+def needs_draft_model(method: str, drafter: str) -> bool:
+    """Whether a generation with this method and drafter runs the draft model."""
+    return method != "none" and drafter in ("model", "model+lookup")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything that shapes one generation. Sampling settings apply to draft and target alike.
+
+    Invalid values raise :class:`~cactus_edge.errors.InvalidSettingError` (a ``ValueError``)
+    naming the parameter.
+    """
+
+    method: str = DEFAULT_METHOD
+    delta: float = DEFAULT_DELTA
+    n_draft: int | str = "auto"  # a fixed block length, or "auto": chosen per step from costs
+    drafter: str = DEFAULT_DRAFTER  # "model", "lookup" (prompt n-grams) or "model+lookup"
+    draft_p_min: float | None = None  # stop drafting below this draft p(d); None: 0.2 with auto
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K
+    top_p: float = DEFAULT_TOP_P
+    min_p: float = DEFAULT_MIN_P
+    max_tokens: int = 256
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        try:
+            self._validate()
+        except InvalidSettingError:
+            raise
+        except (ValueError, TypeError) as error:  # from the numpy-only validators
+            raise InvalidSettingError(str(error)) from error
+
+    def _validate(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidSettingError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.n_draft != "auto" and (
+            isinstance(self.n_draft, bool)
+            or not isinstance(self.n_draft, int)
+            or not 0 <= self.n_draft <= MAX_DRAFT
+        ):
+            raise InvalidSettingError(
+                f"n_draft must be 'auto' or an integer in [0, {MAX_DRAFT}], got {self.n_draft!r}"
+            )
+        if self.drafter not in DRAFTERS:
+            raise InvalidSettingError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.draft_p_min is not None and not (
+            isinstance(self.draft_p_min, (int, float)) and 0.0 <= self.draft_p_min < 1.0
+        ):
+            raise InvalidSettingError(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidSettingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidSettingError(f"seed must be an integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSettingError("stop strings must be non-empty strings")
+        # Building these validates temperature … min_p and delta (whatever the method, so a bad
+        # delta is caught before someone switches to cactus).
+        _ = self.sampling, self.rule, Cactus(self.delta)
+
+    def with_changes(self, **changes) -> GenerationConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.min_p)
+
+    @property
+    def rule(self) -> AcceptanceRule | None:
+        return None if self.method == "none" else make_rule(self.method, self.delta)
+
+    @property
+    def lossless(self) -> bool:
+        return self.method in LOSSLESS_METHODS
+
+    @property
+    def auto(self) -> bool:
+        return self.n_draft == "auto"
+
+    @property
+    def max_draft(self) -> int:
+        return MAX_AUTO_DRAFT if self.auto else self.n_draft
+
+    @property
+    def p_min(self) -> float:
+        if self.draft_p_min is not None:
+            return self.draft_p_min
+        return AUTO_DRAFT_P_MIN if self.auto else 0.0
+
+    @property
+    def uses_model(self) -> bool:
+        return needs_draft_model(self.method, self.drafter)

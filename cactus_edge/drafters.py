@@ -1,0 +1,233 @@
+"""Who proposes draft tokens, behind one interface: ``propose(committed, room) -> Proposal``.
+
+- :class:`ModelDrafter`: the draft model, token by token, or several rows per decode along a
+  lookup guess (lookup-guided draft batching).
+- :class:`LookupDrafter`: prompt n-gram lookup; point-mass proposals, no decode.
+- :class:`FallbackDrafter` (``model+lookup``): the lookup when it finds something, else the model.
+
+How many tokens to propose is the :class:`DraftPlanner`'s call: the configured ``n_draft``, or with
+``"auto"`` the k that maximises expected tokens per millisecond from this machine's costs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .adaptive import (
+    SPECULATION_MARGIN,
+    AcceptanceTracker,
+    CostModel,
+    choose_draft_length,
+    could_pay,
+    expected_run,
+)
+from .config import MAX_AUTO_DRAFT, GenerationConfig
+from .lookup import lookup_continuation, point_mass_rows
+from .sampling import fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
+
+
+@dataclass
+class Proposal:
+    """One step's drafts.
+
+    tokens: the draft tokens d_0..d_{k-1}; rows: their draft_probs rows over the target's
+    vocabulary (k rows); draft_ms: time inside llama_decode; source: "model", "model/guided"
+    (the draft model fed a lookup guess), "lookup" or "none"; guess: the lookup guess the draft
+    model was offered ([] otherwise).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    draft_ms: float = 0.0
+    source: str = "none"
+    guess: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """What proposed the block, for statistics: "model", "lookup" or "none" (k = 0)."""
+        return self.source.split("/")[0] if self.tokens else "none"
+
+
+@dataclass
+class Probe:
+    """A step that drafts one token more than the policy chose, to find out whether drafting
+    pays again; judged right after its verification."""
+
+    tracker: AcceptanceTracker
+    draft_ms: Callable[[int], float]
+    room: int
+
+
+class DraftPlanner:
+    """The draft length of each step, and what `auto` learns from each verification.
+
+    Costs and acceptance trackers belong to the engine (they outlive one generation); trackers are
+    keyed by (source, method, delta), since each rule accepts differently.
+    """
+
+    def __init__(self, config: GenerationConfig, costs: CostModel, trackers: dict) -> None:
+        self.config, self.costs, self.trackers = config, costs, trackers
+        self.probe: Probe | None = None
+
+    def tracker(self, source: str) -> AcceptanceTracker:
+        key = (source, self.config.method, self.config.delta)
+        if key not in self.trackers:
+            self.trackers[key] = AcceptanceTracker(MAX_AUTO_DRAFT)
+        return self.trackers[key]
+
+    def plan(self, room: int, source: str, n_guided: int = 0, n_catch_up: int = 0) -> int:
+        """How many tokens to draft this step (≤ room).
+
+        Resuming drafting after k = 0 steps first feeds the draft every token it skipped. That
+        catch-up is charged spread over the drafting run it is expected to start (geometric in
+        the first-position acceptance): in copied code it is nearly free, in prose a resumption
+        on a stray 2-gram match must pay for all of it. A probe is only made when it could pay
+        at full acceptance with the whole catch-up counted.
+        """
+        if not self.config.auto or room == 0:
+            return room
+        if not self.costs.verify or (source != "lookup" and not self.costs.draft):
+            return min(room, 4)  # measure something first
+        tracker = self.tracker(source)
+        run = expected_run(tracker.rates[0])
+        draft_ms = self.draft_cost(source, n_guided, n_catch_up, run)
+        k = choose_draft_length(tracker.rates, draft_ms, self.costs.verify_ms, room, SPECULATION_MARGIN)
+        probe_k = min(room, max(k + 1, 2))
+        probe_ms = self.draft_cost(source, n_guided, n_catch_up, run_tokens=0.0)
+        if tracker.should_probe() and could_pay(probe_k, probe_ms, self.costs.verify_ms, SPECULATION_MARGIN):
+            self.probe = Probe(tracker, draft_ms, room)
+            k = probe_k
+        return k
+
+    def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):
+        """k → estimated ms to draft k tokens from this source, catch-up spread over a run of
+        run_tokens tokens."""
+        if source == "lookup":
+            return lambda k: 0.0  # a lookup costs no decode
+        return lambda k: self.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
+
+    def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
+        """After a verification: update acceptance estimates and judge a probe."""
+        if proposal.tokens:
+            self.tracker(proposal.source).record(tuple(acceptance_probs))
+        elif proposal.source == "model/guided":
+            self.tracker(proposal.source).record_lookup_outcome(emitted_first == proposal.guess[0])
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            next_k = choose_draft_length(
+                probe.tracker.rates, probe.draft_ms, self.costs.verify_ms, probe.room, SPECULATION_MARGIN
+            )
+            probe.tracker.record_probe(paid=next_k > 0)
+
+
+class ModelDrafter:
+    """Samples drafts from the draft model with the shared logit processing.
+
+    Rows are mapped onto the target's vocabulary: ids only the draft has are dropped before
+    processing (never proposed), ids only the target has get probability 0.
+    """
+
+    def __init__(self, draft, target_vocab_size: int, config: GenerationConfig, rng, costs: CostModel):
+        self.draft, self.vocab_size = draft, target_vocab_size
+        self.sampling, self.p_min = config.sampling, config.p_min
+        self.rng, self.costs = rng, costs
+
+    def catch_up_length(self, committed: Sequence[int]) -> int:
+        """Committed tokens the draft has not been fed, besides the last one."""
+        return len(committed) - 1 - self.draft.n_past
+
+    def propose(self, committed: list[int], n_draft: int, guess: Sequence[int], source: str) -> Proposal:
+        tokens, rows, ms = self.sample(committed, n_draft, guess)
+        return Proposal(tokens, rows, ms, source, list(guess))
+
+    def sample(
+        self, committed: list[int], n_draft: int, guess: Sequence[int] = ()
+    ) -> tuple[list[int], list, float]:
+        """Sample up to n_draft tokens, keeping each processed row; stops early when the draft's
+        own p(d) falls below p_min. Returns (tokens, rows, ms inside llama_decode).
+
+        Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
+        batch decode of [unseen committed tokens] + guess yields the draft's row after each
+        guessed token, and row i+1 is the draft's true conditional for as long as the sampled
+        tokens equal the guess. So the drafts have exactly the distribution of token-by-token
+        drafting, at the cost of one batch (on a CPU, 4 rows of the 0.5B draft cost about 2
+        single decodes).
+        """
+        tokens: list[int] = []
+        rows: list = []
+        decode_ms = 0.0
+        base = len(committed)
+        pending = committed[self.draft.n_past :]
+        guided = list(guess[: max(n_draft - 1, 0)])
+        while len(tokens) < n_draft:
+            logits, elapsed = self._decode(pending, guided)
+            decode_ms += elapsed
+            n_before = len(tokens)
+            n_followed, n_draft = self._sample_rows(logits, guided, tokens, rows, n_draft)
+            # The cache must hold committed + drafts only: drop guessed tokens no draft followed.
+            keep = base + n_before + n_followed
+            if self.draft.n_past > keep:
+                self.draft.truncate(keep)
+            pending, guided = tokens[-1:], []
+        return tokens, rows, decode_ms
+
+    def _decode(self, pending: list[int], guided: list[int]) -> tuple[np.ndarray, float]:
+        feed = pending + guided
+        start = time.perf_counter()
+        logits = self.draft.decode(feed, output_rows=range(len(pending) - 1, len(feed)))
+        elapsed = (time.perf_counter() - start) * 1000
+        self.costs.record_draft(len(feed), elapsed)
+        return fit_logits_to_vocab(logits, self.vocab_size), elapsed
+
+    def _sample_rows(self, logits, guided, tokens: list, rows: list, n_draft: int) -> tuple[int, int]:
+        """Sample from the decoded rows in order while the samples follow the guess.
+        Returns (how many guessed tokens the drafts followed, the possibly lowered n_draft)."""
+        n_followed = 0
+        for index in range(len(guided) + 1):
+            row = widen_row(process_logits(logits[index], self.sampling), self.vocab_size)
+            token = sample_token(row, self.rng)
+            if self.p_min and row_prob(row, token) < self.p_min:
+                return n_followed, len(tokens)  # such tokens are rarely accepted: verify what we have
+            tokens.append(token)
+            rows.append(row)
+            if index == len(guided) or token != guided[index] or len(tokens) == n_draft:
+                # Rows after this one are conditioned on a token we did not draw (or not needed).
+                return n_followed + (index < len(guided) and token == guided[index]), n_draft
+            n_followed += 1
+        return n_followed, n_draft
+
+
+class LookupDrafter:
+    """Prompt lookup: what followed the last 2–4-gram earlier in the context, as point masses."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def propose(self, committed: list[int], n_draft: int) -> Proposal:
+        tokens = lookup_continuation(committed, n_draft) if n_draft else []
+        return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, "lookup")
+
+
+class FallbackDrafter:
+    """Chooses the source of each step's drafts for a drafter name ("model", "lookup",
+    "model+lookup") and asks the planner how many."""
+
+    def __init__(self, name: str, planner: DraftPlanner, model: ModelDrafter | None, lookup: LookupDrafter):
+        self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
+
+    def propose(self, committed: list[int], room: int) -> Proposal:
+        if room == 0:
+            return Proposal()
+        if self.name in ("lookup", "model+lookup"):
+            proposal = self.lookup.propose(committed, self.planner.plan(room, "lookup"))
+            if proposal.tokens or self.name == "lookup":
+                return proposal
+        guess = lookup_continuation(committed, room - 1)
+        source = "model/guided" if guess else "model"
+        n_catch_up = self.model.catch_up_length(committed)
+        n_draft = self.planner.plan(room, source, len(guess), n_catch_up)
+        return self.model.propose(committed, n_draft, guess, source)

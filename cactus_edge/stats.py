@@ -1,0 +1,162 @@
+"""Statistics and events of a generation, in a module that imports no llama.cpp (the TUI, the CLI
+and the OpenAI-shaped layer read them without loading a model library)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStats:
+    """One verifier call. draft_ms / verify_ms are time inside llama_decode."""
+
+    n_draft: int
+    n_accepted: int
+    draft_ms: float
+    verify_ms: float
+    total_ms: float
+    kl: float | None = None  # mean KL(out ‖ target) over the positions decided this step
+    drafter: str = "model"  # what proposed this block: "model", "lookup" or "none" (k = 0)
+    n_decided: int = 0  # draft positions the rule judged (accepted ones + the first rejection)
+
+
+@dataclass
+class GenerationStats:
+    """Running statistics of one generation (complete once it has finished).
+
+    lossy: whether the rule can move the output away from the target's distribution (Cactus with
+        delta > 0, typical acceptance); KL figures are only meaningful then.
+    kl_total: sum over decided draft positions of the exact KL(out ‖ target): by the chain rule
+        its expectation is the response-level KL (SPEC, "A KL budget for a whole response").
+    """
+
+    method: str
+    lossy: bool = False
+    n_tokens: int = 0
+    n_prompt_tokens: int = 0
+    n_prompt_decoded: int = 0
+    n_verifier_calls: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    tried_by_position: list[int] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    decode_ms: float = 0.0  # all time inside generation steps (prefill excluded)
+    kl_sum: float = 0.0
+    kl_steps: int = 0
+    kl_total: float = 0.0
+    finish_reason: str | None = None
+    steps: list[StepStats] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float:
+        """AL: accepted draft tokens per verifier call, bonus excluded (the Cactus paper's)."""
+        return self.n_accepted / self.n_verifier_calls if self.n_verifier_calls else 0.0
+
+    @property
+    def tokens_per_verifier_call(self) -> float:
+        """AL + 1 (the vLLM / Spec-Bench convention)."""
+        return self.n_tokens / self.n_verifier_calls if self.n_verifier_calls else 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        """Generation time spent outside llama_decode (sampling, rules, bookkeeping)."""
+        return max(0.0, self.decode_ms - self.draft_ms - self.verify_ms)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of generation (prefill excluded)."""
+        return self.n_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+
+    @property
+    def draft_length_histogram(self) -> dict[int, int]:
+        """How many verifier calls drafted k tokens, per k (what `auto` chose)."""
+        counts: dict[int, int] = {}
+        for step in self.steps:
+            counts[step.n_draft] = counts.get(step.n_draft, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
+    def kl_mean(self) -> float | None:
+        return self.kl_sum / self.kl_steps if self.kl_steps else None
+
+    def record(self, step: StepStats) -> None:
+        self.steps.append(step)
+        self.n_verifier_calls += 1
+        self.n_drafted += step.n_draft
+        self.n_accepted += step.n_accepted
+        grow = step.n_draft - len(self.tried_by_position)
+        if grow > 0:
+            self.tried_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for position in range(step.n_decided):
+            self.tried_by_position[position] += 1
+            if position < step.n_accepted:
+                self.accepted_by_position[position] += 1
+        if step.kl is not None:
+            kl = max(0.0, step.kl)  # exact KL is >= 0; float rounding can leave -1e-17
+            self.kl_sum += kl
+            self.kl_steps += 1
+            self.kl_total += kl * step.n_decided
+
+    def summary(self) -> dict:
+        data = {k: v for k, v in asdict(self).items() if k not in ("steps", "kl_sum", "kl_steps")}
+        data.update(
+            acceptance_length=self.acceptance_length,
+            tokens_per_verifier_call=self.tokens_per_verifier_call,
+            overhead_ms=self.overhead_ms,
+            tokens_per_second=self.tokens_per_second,
+            kl_mean=self.kl_mean,
+            draft_length_histogram=self.draft_length_histogram,
+        )
+        return data
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One emitted token (or, last, the end of the stream).
+
+    text: visible text this event adds ("" while a possible stop string or an unfinished UTF-8
+        character is held back).
+    token: the token id; None on the final event.
+    from_draft: True for an accepted draft token, False for a token the target produced.
+    step: index of the verifier call that produced the token.
+    finish_reason: set on the final event only.
+    stats: the generation's running statistics (complete on the final event).
+    """
+
+    text: str
+    token: int | None
+    from_draft: bool = False
+    step: int = 0
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+def _clean(value: float, digits: int = 4) -> str:
+    """A number for people: never a negative zero (-0.0000) from rounding a tiny negative."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def summary_line(stats: GenerationStats) -> str:
+    """The one-line summary the CLI prints after a reply. KL appears only when a lossy rule
+    actually decided a draft token (lossless rules and plain steps are exact)."""
+    kl = f", KL {_clean(stats.kl_mean)}" if stats.lossy and stats.kl_mean is not None else ""
+    budget = f" (total {_clean(stats.kl_total)})" if kl and stats.kl_total else ""
+    histogram = f", draft lengths {stats.draft_length_histogram}" if stats.method != "none" else ""
+    return (
+        f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+        f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
+        f"{stats.n_verifier_calls} verifier calls{kl}{budget}{histogram}, finish: {stats.finish_reason}"
+    )

@@ -1,0 +1,155 @@
+"""Realistic pairs: vocabularies that differ at the end (within the pair check's 128 tokens), and
+models that produce non-finite logits."""
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from scipy import stats as scipy_stats
+
+from cactus_edge.backend import LlamaModel
+from cactus_edge.cli import main
+from cactus_edge.config import DRAFTERS, METHODS
+from cactus_edge.engine import Engine, GenerationConfig, _Generation
+from cactus_edge.errors import NonFiniteLogitsError
+from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+
+PROMPT = "the water is hot and"
+
+
+@pytest.fixture(scope="module", params=["larger-target", "larger-draft"])
+def vocab_pair(request, tiny_larger_target, tiny_larger_draft):
+    paths = tiny_larger_target if request.param == "larger-target" else tiny_larger_draft
+    with Engine.load(str(paths[0]), str(paths[1]), n_ctx=512) as engine:
+        assert engine.draft.vocab_size != engine.target.vocab_size
+        yield engine
+
+
+def test_the_pairs_are_the_issues_642_and_682_tokens(tiny_larger_target):
+    sizes = [LlamaModel(path, n_ctx=64).vocab_size for path in tiny_larger_target]
+    assert sizes == [642, 682]
+
+
+@pytest.mark.statistical
+def test_sps_stays_lossless_across_vocabulary_sizes(vocab_pair):
+    """First token under SpS with drafting, over 3,000 seeds, against the target's own processed
+    distribution — target-only ids included (the draft gives them probability 0). Chi-square over
+    the 15 likeliest ids, the other shared ids, and the ids only the target has."""
+    engine = vocab_pair
+    sampling = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
+    # A prompt after which the larger target puts ~9% of its mass on the ids the draft lacks.
+    prompt_tokens = engine.tokenize_prompt("hello world code")
+    engine.target.reset()
+    target_probs = to_dense(process_logits(engine.target.decode(prompt_tokens)[0], sampling))
+    shared = min(engine.draft.vocab_size, engine.target.vocab_size)
+    cells = [np.array([i]) for i in np.argsort(target_probs[:shared])[-15:]]
+    cells.append(np.setdiff1d(np.arange(shared), np.concatenate(cells)))
+    if engine.target.vocab_size > shared:
+        cells.append(np.arange(shared, engine.target.vocab_size))
+    config = {"method": "sps", "n_draft": 3, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_tokens": 3}
+    counts = np.zeros(target_probs.size, dtype=np.int64)
+    n_runs, accepted_first = 3000, 0
+    for seed in range(n_runs):
+        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
+        counts[result.tokens[0]] += 1
+        accepted_first += result.stats.steps[0].n_accepted > 0
+    assert accepted_first > n_runs * 0.3
+    observed = [counts[c].sum() for c in cells]
+    expected = [target_probs[c].sum() * n_runs for c in cells]
+    if engine.target.vocab_size > shared:
+        assert observed[-1] > 50  # the target-only ids really were emitted
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_draft_rows_live_on_the_target_vocabulary_and_never_propose_foreign_ids(vocab_pair):
+    engine = vocab_pair
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    for seed in range(50):
+        settings = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "n_draft": 4, "seed": seed}
+        generation = _Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading_event())
+        generation.prefill()
+        tokens, rows, _ = generation.drafter.model.sample(generation.committed, 4)
+        assert all(row.shape[-1] == engine.target.vocab_size for row in rows)
+        shared = min(engine.draft.vocab_size, engine.target.vocab_size)
+        assert all(t < shared for t in tokens)
+        assert all(to_dense(row)[shared:].sum() == 0 for row in rows)
+        generation.settle()
+
+
+def threading_event():
+    import threading
+
+    return threading.Event()
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
+def test_every_method_and_drafter_generates_on_a_mismatched_pair(vocab_pair, method, drafter):
+    config = GenerationConfig(
+        method=method, drafter=drafter, temperature=0.8, max_tokens=30, seed=1, n_draft=4
+    )
+    result = vocab_pair.generate("alpha beta the water gamma is hot and", config)
+    assert result.finish_reason in ("length", "stop")
+    assert vocab_pair.check_caches() == []
+
+
+def test_greedy_speculation_equals_plain_greedy_on_a_mismatched_pair(vocab_pair):
+    greedy = {"temperature": 0.0, "max_tokens": 40}
+    plain = vocab_pair.generate(PROMPT, GenerationConfig(method="none", **greedy))
+    spec = vocab_pair.generate(PROMPT, GenerationConfig(method="sps", n_draft=4, **greedy))
+    assert spec.stats.n_accepted > 0
+    # Token-for-token, up to a legitimate flip where the target's top-2 margin is tiny.
+    pairs = zip(plain.tokens, spec.tokens, strict=False)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), len(plain.tokens))
+    assert same >= 20
+
+
+def test_the_cli_runs_the_issues_reproduction(tiny_larger_target):
+    draft, target = tiny_larger_target
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "hello",
+            "--draft",
+            str(draft),
+            "--target",
+            str(target),
+            "--n-ctx",
+            "512",
+            "--method",
+            "sps",
+            "--n-draft",
+            "4",
+            "--max-tokens",
+            "20",
+            "--seed",
+            "0",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "disagree on the vocabulary size" not in result.output
+
+
+def test_non_finite_logits_raise_a_typed_error_naming_model_and_row(tiny_pair, tiny_nan_target):
+    with Engine.load(str(tiny_pair[0]), str(tiny_nan_target), n_ctx=256) as engine:
+        with pytest.raises(NonFiniteLogitsError, match=r"tiny-nan-target\.gguf for output row 0"):
+            engine.generate(PROMPT, GenerationConfig(n_draft=3, max_tokens=10))
+        assert engine.check_caches(engine.tokenize_prompt(PROMPT)) == []
+
+
+def test_the_cli_reports_non_finite_logits_as_a_backend_error(tiny_pair, tiny_nan_target):
+    result = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            "hello",
+            "--draft",
+            str(tiny_pair[0]),
+            "--target",
+            str(tiny_nan_target),
+            "--n-ctx",
+            "256",
+        ],
+    )
+    assert result.exit_code == 6
+    assert result.output.strip().splitlines()[-1].startswith("error: llama.cpp returned non-finite logits")

@@ -1,0 +1,27 @@
+"""scripts/soak.py on the tiny pair: a short soak runs every exit path and finds no inconsistency."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from cactus_edge.engine import Engine
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def soak_module():
+    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_soak_on_the_tiny_pair_is_consistent(soak_module, tiny_pair):
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=256) as engine:
+        result = soak_module.soak(engine, turns=21, max_tokens=24)
+    assert result["problems"] == []
+    assert {"cancelled", "closed"} <= set(result["finishes"])
+    assert result["dropped_exchanges"] > 0  # the context filled and old exchanges were dropped
+    assert [s["turn"] for s in result["samples"]] == [0, 10, 20]
