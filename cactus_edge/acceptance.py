@@ -333,6 +333,62 @@ class ExactMatch(AcceptanceRule):
         return (True, -1, accept_prob) if sampled == token else (False, sampled, accept_prob)
 
 
+class KLBudgetRule(AcceptanceRule):
+    """A lossy rule held to a KL budget for a whole response (SPEC, "A KL budget for a whole
+    response"). Position by position, the exact KL(out ‖ target) the lossy rule would add there is
+    computed first (it depends on the rows only, not on the sampled draft); the lossy rule judges
+    the position while ``spent`` + that KL stays within ``budget``, and SpS (lossless) judges it and
+    every later position of the response otherwise. The choice is a function of the prefix, so by
+    the chain rule the response-level KL is the expected ``spent``, which never exceeds the budget.
+
+    Dense rows (top-k off) cannot be measured cheaply over a real vocabulary: they are judged by
+    SpS. One instance per response: ``spent`` is its running sum. ``position_kls`` holds the KL of
+    each position judged by the last :meth:`verify` (0 for SpS positions).
+    """
+
+    def __init__(self, rule: AcceptanceRule, budget: float) -> None:
+        if not isinstance(budget, (int, float)) or math.isnan(budget) or budget < 0:
+            raise ValueError(f"kl_budget must be a number >= 0, got {budget!r}")
+        self.rule, self.budget = rule, float(budget)
+        self.lossless_rule = SpeculativeSampling()
+        self.spent = 0.0
+        self.exhausted = rule.lossless
+        self.lossless = rule.lossless
+        self.position_kls: tuple[float, ...] = ()
+        self.name = f"{rule.name}+budget"
+
+    def verify(self, draft_tokens, draft_probs, target_probs, rng) -> Verdict:
+        draft_tokens = np.asarray(draft_tokens, dtype=np.int64).reshape(-1)
+        draft_probs, target_probs = _as_rows(draft_probs), _as_rows(target_probs)
+        vocab_size = _check_block(draft_tokens, draft_probs, target_probs)
+        accept_probs: list[float] = []
+        kls: list[float] = []
+        for position, token in enumerate(draft_tokens.tolist()):
+            rule, kl = self._rule_for(draft_probs[position], target_probs[position])
+            draft, target = _Dist.of(draft_probs[position]), _Dist.of(target_probs[position])
+            accepted, emitted, accept_prob = rule.judge(token, draft, target, vocab_size, rng)
+            accept_probs.append(accept_prob)
+            kls.append(kl)
+            self.spent += kl
+            if not accepted:
+                self.position_kls = tuple(kls)
+                return Verdict(position, emitted, tuple(accept_probs))
+        self.position_kls = tuple(kls)
+        bonus = sample_token(target_probs[len(draft_tokens)], rng)
+        return Verdict(len(draft_tokens), bonus, tuple(accept_probs))
+
+    def _rule_for(self, draft_row: ProbRows, target_row: ProbRows) -> tuple[AcceptanceRule, float]:
+        if not self.exhausted and isinstance(target_row, SparseProbs):
+            kl = output_kl(self.rule, draft_row, target_row)
+            if self.spent + kl <= self.budget:
+                return self.rule, max(kl, 0.0)
+        self.exhausted = True  # lossless for the rest of the response
+        return self.lossless_rule, 0.0
+
+    def __repr__(self) -> str:
+        return f"KLBudgetRule({self.rule!r}, budget={self.budget:g})"
+
+
 def make_rule(method: str, delta: float = 1.0) -> AcceptanceRule:
     """The rule for a method name: ``cactus`` (with delta), ``sps``, ``tas`` or ``exact``."""
     rules = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .acceptance import AcceptanceRule, Cactus, make_rule
+from .acceptance import AcceptanceRule, Cactus, KLBudgetRule, make_rule
 from .errors import InvalidSettingError
 from .sampling import SamplingConfig
 
@@ -51,6 +51,9 @@ class GenerationConfig:
     max_tokens: int = 256
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # KL budget for the whole response (nats): lossy verification while the running sum of the
+    # exact per-token KL(out ‖ target) stays within it, SpS afterwards. None: unlimited.
+    kl_budget: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,12 @@ class GenerationConfig:
             raise InvalidSettingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidSettingError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.kl_budget is not None and (
+            isinstance(self.kl_budget, bool)
+            or not isinstance(self.kl_budget, (int, float))
+            or not self.kl_budget >= 0
+        ):
+            raise InvalidSettingError(f"kl_budget must be a number >= 0 or None, got {self.kl_budget!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidSettingError("stop strings must be non-empty strings")
         # Building these validates temperature … min_p and delta (whatever the method, so a bad
@@ -105,7 +114,13 @@ class GenerationConfig:
 
     @property
     def rule(self) -> AcceptanceRule | None:
-        return None if self.method == "none" else make_rule(self.method, self.delta)
+        """A fresh rule for one response (a KL budget keeps per-response state)."""
+        if self.method == "none":
+            return None
+        rule = make_rule(self.method, self.delta)
+        if self.kl_budget is None or self.kl_budget == float("inf") or rule.lossless:
+            return rule
+        return KLBudgetRule(rule, self.kl_budget)
 
     @property
     def lossless(self) -> bool:

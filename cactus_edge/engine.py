@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import output_kl
+from .acceptance import KLBudgetRule, output_kl
 from .adaptive import CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
@@ -315,7 +315,9 @@ class _Generation:
         self.n_prompt = len(prompt_tokens)
         self.n_generated = 0
         lossy = self.rule is not None and not self.rule.lossless
-        self.stats = GenerationStats(method=config.method, lossy=lossy, n_prompt_tokens=len(prompt_tokens))
+        self.stats = GenerationStats(
+            method=config.method, lossy=lossy, n_prompt_tokens=len(prompt_tokens), kl_budget=config.kl_budget
+        )
         self.output = Output(Detokenizer(self.target), config.stop, self.stats)
         self.planner = DraftPlanner(config, engine.costs, engine.acceptance)
         model = None
@@ -447,8 +449,12 @@ class _Generation:
 
     def fidelity(self, draft_rows: list, target_rows, n_decided: int) -> float | None:
         """Mean KL(out ‖ target) over the positions decided this step (lossy rules, sparse rows)."""
-        if self.rule.lossless or not isinstance(target_rows, SparseProbs):
-            return 0.0 if self.rule.lossless else None
+        if self.rule.lossless:
+            return 0.0
+        if isinstance(self.rule, KLBudgetRule):  # it measured each position to keep its budget
+            return float(np.mean(self.rule.position_kls)) if self.rule.position_kls else None
+        if not isinstance(target_rows, SparseProbs):
+            return None
         values = [output_kl(self.rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
         return float(np.mean(values)) if values else None
 

@@ -13,7 +13,7 @@ How each request field is treated:
 * Used (:data:`SETTINGS`): ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
   (a string or at most 4 strings), ``max_tokens`` / ``max_completion_tokens`` (either; equal if
   both), ``stream``, ``stream_options.include_usage``, ``model``, and our extension
-  ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min"}``.
+  ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget"}``.
 * Accepted at their neutral value only (:data:`NEUTRAL_ONLY`): a field whose other values would
   change what the client gets back, so ignoring them would silently answer a different question:
   ``n`` (1), ``presence_penalty`` / ``frequency_penalty`` (0), ``logit_bias`` (empty),
@@ -68,7 +68,7 @@ SETTINGS = (
 )
 
 # Keys of the "speculative" extension; each is the GenerationConfig field of the same name.
-SPECULATIVE_KEYS = ("method", "delta", "n_draft", "drafter", "draft_p_min")
+SPECULATIVE_KEYS = ("method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget")
 
 IGNORED = frozenset(
     {
@@ -167,6 +167,7 @@ _SETTING_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_tokens": (_is_int, "an integer"),
     "delta": (_is_number, "a number"),
     "draft_p_min": (_is_number, "a number"),
+    "kl_budget": (_is_number, "a number of nats"),
     "method": (lambda v: isinstance(v, str), "a string"),
     "drafter": (lambda v: isinstance(v, str), "a string"),
     "n_draft": (lambda v: _is_int(v) or v == "auto", 'an integer or "auto"'),

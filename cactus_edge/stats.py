@@ -28,6 +28,7 @@ class GenerationStats:
         delta > 0, typical acceptance); KL figures are only meaningful then.
     kl_total: sum over decided draft positions of the exact KL(out ‖ target): by the chain rule
         its expectation is the response-level KL (SPEC, "A KL budget for a whole response").
+    kl_budget: the response's KL budget (None: unlimited); kl_total never exceeds it.
     """
 
     method: str
@@ -47,6 +48,7 @@ class GenerationStats:
     kl_sum: float = 0.0
     kl_steps: int = 0
     kl_total: float = 0.0
+    kl_budget: float | None = None
     finish_reason: str | None = None
     steps: list[StepStats] = field(default_factory=list)
 
@@ -153,7 +155,9 @@ def summary_line(stats: GenerationStats) -> str:
     """The one-line summary the CLI prints after a reply. KL appears only when a lossy rule
     actually decided a draft token (lossless rules and plain steps are exact)."""
     kl = f", KL {_clean(stats.kl_mean)}" if stats.lossy and stats.kl_mean is not None else ""
-    budget = f" (total {_clean(stats.kl_total)})" if kl and stats.kl_total else ""
+    budget = ""
+    if kl and stats.kl_budget is not None:
+        budget = f" (total {_clean(stats.kl_total)} of budget {stats.kl_budget:g})"
     histogram = f", draft lengths {stats.draft_length_histogram}" if stats.method != "none" else ""
     return (
         f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "

@@ -108,7 +108,14 @@ def test_negative_seed_is_folded_not_refused():
 
 
 def test_speculative_extension():
-    speculative = {"method": "tas", "delta": 0.5, "n_draft": 4, "drafter": "lookup", "draft_p_min": 0.1}
+    speculative = {
+        "method": "tas",
+        "delta": 0.5,
+        "n_draft": 4,
+        "drafter": "lookup",
+        "draft_p_min": 0.1,
+        "kl_budget": 3.0,
+    }
     config = parse_request({"speculative": speculative}).config
     assert {key: getattr(config, key) for key in SPECULATIVE_KEYS} == speculative
 

@@ -192,6 +192,7 @@ async def test_slash_commands_change_the_config_passed_to_the_engine():
             "/k 6",
             "/temp 0.3",
             "/drafter model+lookup",
+            "/budget 2.5",
             "/system be brief",
         ):
             app.screen.query_one("#prompt").value = command
@@ -199,7 +200,7 @@ async def test_slash_commands_change_the_config_passed_to_the_engine():
         await say(pilot, "hi")
         messages, config = engine.calls[-1]
         assert (config.method, config.delta, config.n_draft, config.temperature) == ("sps", 0.5, 6, 0.3)
-        assert config.drafter == "model+lookup"
+        assert config.drafter == "model+lookup" and config.kl_budget == 2.5
         assert messages[0] == {"role": "system", "content": "be brief"}
         app.screen.query_one("#prompt").value = "/delta -1"
         await pilot.press("enter")
@@ -207,6 +208,9 @@ async def test_slash_commands_change_the_config_passed_to_the_engine():
         app.screen.query_one("#prompt").value = "/k auto"
         await pilot.press("enter")
         assert app.config.n_draft == "auto"
+        app.screen.query_one("#prompt").value = "/budget off"
+        await pilot.press("enter")
+        assert app.config.kl_budget is None
 
 
 async def test_engine_errors_become_notifications(monkeypatch):

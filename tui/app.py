@@ -37,7 +37,8 @@ from .widgets import LEGEND, AssistantMessage, Reply, StatusBar, UserMessage
 HELP = """\
 Slash commands (between replies):
   /method cactus|sps|tas|exact|none   acceptance rule
-  /delta 0.5                          Cactus KL budget
+  /delta 0.5                          Cactus KL budget per token
+  /budget 2 | /budget off             KL budget per response (nats); lossless once spent
   /k 6 | /k auto                      draft length
   /drafter model|lookup|model+lookup  who proposes drafts
   /temp 0.6                           temperature
@@ -453,6 +454,7 @@ class CactusChatApp(App):
         handlers = {
             "method": lambda: self.set_config(method=argument),
             "delta": lambda: self.set_config(delta=float(argument)),
+            "budget": lambda: self.set_config(kl_budget=None if argument in ("", "off") else float(argument)),
             "k": lambda: self.set_config(n_draft=argument if argument == "auto" else int(argument)),
             "drafter": lambda: self.set_config(drafter=argument),
             "temp": lambda: self.set_config(temperature=float(argument)),

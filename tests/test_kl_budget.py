@@ -1,0 +1,112 @@
+"""A KL budget for a whole response: lossy verification while the running sum of exact per-token
+KL(out ‖ target) stays within the budget, SpS afterwards."""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from cactus_edge.acceptance import Cactus, KLBudgetRule, TypicalAcceptance, output_distribution
+from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.errors import InvalidSettingError
+from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+
+from .test_acceptance import ALPHA, N_TRIALS, chi_square_pvalue, emitted_first_tokens, random_pair
+
+PROMPT = "the water is hot and"
+LOSSY = {"method": "cactus", "delta": 1.0, "n_draft": 4, "temperature": 1.0, "top_k": 6, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        yield engine
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("lossy", [Cactus(1.0), TypicalAcceptance()], ids=repr)
+def test_a_zero_budget_rule_reproduces_the_target(lossy):
+    draft_row, target_row = random_pair(np.random.default_rng(11), sparse=True, vocab_size=12)
+    counts = emitted_first_tokens(KLBudgetRule(lossy, 0.0), draft_row, target_row, N_TRIALS, seed=4)
+    assert chi_square_pvalue(counts, to_dense(target_row)) > ALPHA
+    # The same test has the power to see the lossy rule's own distribution.
+    unbudgeted = emitted_first_tokens(lossy, draft_row, target_row, N_TRIALS, seed=4)
+    assert chi_square_pvalue(unbudgeted, to_dense(target_row)) < ALPHA
+    assert chi_square_pvalue(unbudgeted, to_dense(output_distribution(lossy, draft_row, target_row))) > ALPHA
+
+
+@pytest.mark.statistical
+def test_a_zero_budget_generation_follows_the_target_distribution(engine):
+    """End to end on the tiny pair: Cactus δ = 1 with budget 0 emits first tokens distributed as
+    the target's own processed row (chi-square over 3,000 seeds)."""
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
+    engine.target.reset()
+    target_probs = to_dense(process_logits(engine.target.decode(prompt_tokens)[0], sampling))
+    support = np.flatnonzero(target_probs)
+    counts = np.zeros(target_probs.size, dtype=np.int64)
+    n_runs = 3000
+    for seed in range(n_runs):
+        result = engine.generate(
+            prompt_tokens, GenerationConfig(**LOSSY, max_tokens=3, seed=seed, kl_budget=0.0)
+        )
+        counts[result.tokens[0]] += 1
+        assert result.stats.kl_total == 0.0
+    assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
+    assert scipy_stats.chisquare(counts[support], target_probs[support] * n_runs).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("budget", [0.05, 1.0, 4.0])
+def test_the_realised_kl_never_exceeds_the_budget(engine, budget):
+    totals = []
+    for seed in range(12):
+        result = engine.generate(
+            PROMPT, GenerationConfig(**LOSSY, max_tokens=60, seed=seed, kl_budget=budget)
+        )
+        step_kls = [s.kl * s.n_decided for s in result.stats.steps if s.kl is not None]
+        assert result.stats.kl_total <= budget + 1e-12
+        assert result.stats.kl_total == pytest.approx(sum(step_kls))
+        totals.append(result.stats.kl_total)
+    if budget >= 1.0:  # larger than one position's KL here (0.1–0.6 nats): the lossy rule is used
+        assert max(totals) > 0
+
+
+def test_once_spent_the_rest_of_the_response_is_lossless(engine):
+    result = engine.generate(PROMPT, GenerationConfig(**LOSSY, max_tokens=80, seed=3, kl_budget=0.05))
+    kls = [s.kl for s in result.stats.steps if s.n_draft]
+    first_zero = next(i for i, kl in enumerate(kls) if kl == 0.0)
+    assert all(kl == 0.0 for kl in kls[first_zero + 1 :])
+    assert result.stats.kl_budget == 0.05
+
+
+def test_an_unlimited_budget_changes_nothing(engine):
+    plain = engine.generate(PROMPT, GenerationConfig(**LOSSY, max_tokens=60, seed=5))
+    huge = engine.generate(PROMPT, GenerationConfig(**LOSSY, max_tokens=60, seed=5, kl_budget=1e9))
+    infinite = engine.generate(PROMPT, GenerationConfig(**LOSSY, max_tokens=60, seed=5, kl_budget=math.inf))
+    assert plain.tokens == huge.tokens == infinite.tokens
+    assert plain.stats.kl_total == pytest.approx(huge.stats.kl_total)
+    assert plain.stats.kl_total > 0
+
+
+@pytest.mark.parametrize("budget", [-0.1, float("nan"), "1", True])
+def test_invalid_budgets_are_refused_by_name(budget):
+    with pytest.raises(InvalidSettingError, match="kl_budget"):
+        GenerationConfig(kl_budget=budget)
+
+
+def test_the_cli_and_the_openai_layer_take_the_budget(tiny_args):
+    import json
+
+    from click.testing import CliRunner
+
+    from cactus_edge.cli import main
+    from cactus_edge.openai_compat import parse_request
+
+    args = ["generate", "hi", *tiny_args, "--kl-budget", "0.5", "--n-draft", "4", "--json", "--seed", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kl_budget"] == 0.5 and data["kl_total"] <= 0.5
+    parsed = parse_request({"messages": [], "speculative": {"kl_budget": 2}})
+    assert parsed.config.kl_budget == 2
