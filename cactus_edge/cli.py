@@ -295,6 +295,13 @@ def speculative_flags(command):
                 help="Stop drafting when the draft's p(token) falls below this (default 0.2 with auto, "
                 "else 0).",
             ),
+            click.option(
+                "--kl-budget",
+                type=float,
+                default=None,
+                help="KL budget for the whole response, in nats: lossy verification until the exact "
+                "per-token KL sum would exceed it, then lossless (SpS). Default: unlimited.",
+            ),
             click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
             click.option("--system", default=None, help="System message (chat mode)."),
         ],
@@ -633,6 +640,7 @@ def json_stats(stats) -> dict:
         "overhead_ms",
         "kl_mean",
         "kl_total",
+        "kl_budget",
         "accepted_by_position",
         "tried_by_position",
         "draft_length_histogram",

@@ -105,7 +105,7 @@ class StatusBar(Static):
                 f"AL {stats.acceptance_length:.2f}",
                 f"calls saved: {stats.n_tokens - stats.n_verifier_calls}",
             ]
-            if stats.kl_mean is not None and config.method in ("cactus", "tas"):
+            if stats.kl_mean is not None and stats.lossy:
                 parts.append(f"KL {stats.kl_mean:.3f}")
         else:
             parts.append(f"T={config.temperature:g} top-k {config.top_k} top-p {config.top_p:g}")
