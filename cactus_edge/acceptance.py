@@ -389,12 +389,15 @@ class KLBudgetRule(AcceptanceRule):
         return f"KLBudgetRule({self.rule!r}, budget={self.budget:g})"
 
 
-def make_rule(method: str, delta: float = 1.0) -> AcceptanceRule:
-    """The rule for a method name: ``cactus`` (with delta), ``sps``, ``tas`` or ``exact``."""
+def make_rule(
+    method: str, delta: float = 1.0, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3
+) -> AcceptanceRule:
+    """The rule for a method name: ``cactus`` (with delta), ``sps``, ``tas`` (with its threshold
+    and alpha) or ``exact``."""
     rules = {
         "cactus": lambda: Cactus(delta),
         "sps": SpeculativeSampling,
-        "tas": TypicalAcceptance,
+        "tas": lambda: TypicalAcceptance(posterior_threshold, posterior_alpha),
         "exact": ExactMatch,
     }
     if method not in rules:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .adaptive import CostModel
-from .config import GenerationConfig
+from .config import DEFAULT_POSTERIOR_THRESHOLD, GenerationConfig
 from .errors import InvalidSettingError
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ class Variant:
     delta: float = 1.0
     n_draft: int | str = "auto"
     drafter: str = "model"
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # typical acceptance only
 
     def config(self, seed: int, **settings) -> GenerationConfig:
         """The generation settings of this variant for one prompt."""
@@ -39,6 +40,7 @@ class Variant:
             delta=self.delta,
             n_draft=self.n_draft,
             drafter=self.drafter,
+            posterior_threshold=self.posterior_threshold,
             seed=seed,
             **settings,
         )
@@ -48,14 +50,21 @@ class Variant:
         if self.method == "none":
             return "none"
         name = f"cactus δ={self.delta:g}" if self.method == "cactus" else self.method
+        if self.method == "tas" and self.posterior_threshold != DEFAULT_POSTERIOR_THRESHOLD:
+            name = f"tas τ={self.posterior_threshold:g}"
         drafter = "" if self.drafter == "model" else f" [{self.drafter}]"
         return f"{name} k={self.n_draft}{drafter}"
 
 
 def make_variants(
-    methods: Sequence[str], deltas: Sequence[float], n_drafts: Sequence[int | str], drafters: Sequence[str]
+    methods: Sequence[str],
+    deltas: Sequence[float],
+    n_drafts: Sequence[int | str],
+    drafters: Sequence[str],
+    tas_thresholds: Sequence[float] = (DEFAULT_POSTERIOR_THRESHOLD,),
 ) -> list[Variant]:
-    """`none` once (the baseline), then every other method × draft length × drafter (× delta)."""
+    """`none` once (the baseline), then every other method × draft length × drafter (× delta for
+    cactus, × posterior threshold for tas)."""
     variants = [Variant("none", n_draft=0)]
     for method in methods:
         if method == "none":
@@ -63,7 +72,8 @@ def make_variants(
         for n_draft in n_drafts:
             for drafter in drafters:
                 for delta in deltas if method == "cactus" else (1.0,):
-                    variants.append(Variant(method, delta, n_draft, drafter))
+                    for threshold in tas_thresholds if method == "tas" else (DEFAULT_POSTERIOR_THRESHOLD,):
+                        variants.append(Variant(method, delta, n_draft, drafter, threshold))
     return variants
 
 
@@ -167,6 +177,10 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "verify_ms_per_step": sum(r["verify_ms"] for r in runs) / calls,
             "overhead_ms_per_step": sum(r["overhead_ms"] for r in runs) / calls,
             "kl_mean": statistics.mean(kls) if kls else None,
+            # The response-level KL spread over every emitted token (plain and bonus tokens add 0).
+            "kl_per_token": sum(r.get("kl_total") or 0.0 for r in runs)
+            / max(sum(r["n_tokens"] for r in runs), 1),
+            "posterior_threshold": variant.posterior_threshold,
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,

@@ -302,6 +302,20 @@ def speculative_flags(command):
                 help="KL budget for the whole response, in nats: lossy verification until the exact "
                 "per-token KL sum would exceed it, then lossless (SpS). Default: unlimited.",
             ),
+            click.option(
+                "--posterior-threshold",
+                type=float,
+                default=defaults.DEFAULT_POSTERIOR_THRESHOLD,
+                show_default=True,
+                help="Typical acceptance (tas): accept d iff q(d) > min(threshold, alpha·exp(−H(q))).",
+            ),
+            click.option(
+                "--posterior-alpha",
+                type=float,
+                default=defaults.DEFAULT_POSTERIOR_ALPHA,
+                show_default=True,
+                help="Typical acceptance's alpha (see --posterior-threshold).",
+            ),
             click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
             click.option("--system", default=None, help="System message (chat mode)."),
         ],
@@ -418,6 +432,13 @@ def _draft_length(item: str):
     "--deltas", default="0.25,0.5,1.0,2.0", show_default=True, callback=_split(float), help="Cactus deltas."
 )
 @click.option(
+    "--tas-thresholds",
+    default=str(defaults.DEFAULT_POSTERIOR_THRESHOLD),
+    show_default=True,
+    callback=_split(float),
+    help="Typical acceptance's posterior thresholds, one variant each.",
+)
+@click.option(
     "--n-draft",
     "n_drafts",
     default="4,auto",
@@ -460,6 +481,7 @@ def bench(
     deltas,
     n_drafts,
     drafters,
+    tas_thresholds,
     prompts_file,
     category,
     limit,
@@ -494,7 +516,7 @@ def bench(
     if per_category:
         prompts = per_category_selection(prompts, per_category)
     prompts = prompts[:limit]
-    variants = make_variants(methods, deltas, n_drafts, drafters)
+    variants = make_variants(methods, deltas, n_drafts, drafters, tas_thresholds)
     settings = {
         "temperature": temperature,
         "top_k": top_k,

@@ -21,6 +21,9 @@ DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_K = 20
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.0
+# Typical acceptance's defaults (Medusa, vLLM).
+DEFAULT_POSTERIOR_THRESHOLD = 0.09
+DEFAULT_POSTERIOR_ALPHA = 0.3
 MAX_DRAFT = 64  # the longest fixed block accepted
 MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
@@ -54,6 +57,9 @@ class GenerationConfig:
     # KL budget for the whole response (nats): lossy verification while the running sum of the
     # exact per-token KL(out ‖ target) stays within it, SpS afterwards. None: unlimited.
     kl_budget: float | None = None
+    # Typical acceptance (method "tas"): accept d iff q(d) > min(threshold, alpha · exp(−H(q))).
+    posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD
+    posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +105,9 @@ class GenerationConfig:
         # Building these validates temperature … min_p and delta (whatever the method, so a bad
         # delta is caught before someone switches to cactus).
         _ = self.sampling, self.rule, Cactus(self.delta)
+        _ = make_rule(
+            "tas", posterior_threshold=self.posterior_threshold, posterior_alpha=self.posterior_alpha
+        )
 
     def with_changes(self, **changes) -> GenerationConfig:
         """A copy with some fields changed (validated again)."""
@@ -117,7 +126,7 @@ class GenerationConfig:
         """A fresh rule for one response (a KL budget keeps per-response state)."""
         if self.method == "none":
             return None
-        rule = make_rule(self.method, self.delta)
+        rule = make_rule(self.method, self.delta, self.posterior_threshold, self.posterior_alpha)
         if self.kl_budget is None or self.kl_budget == float("inf") or rule.lossless:
             return rule
         return KLBudgetRule(rule, self.kl_budget)

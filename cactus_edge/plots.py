@@ -38,6 +38,9 @@ def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
         figure.tight_layout()
         written.append(_save(figure, out_dir / "acceptance_vs_delta.png"))
         plt.close(figure)
+    frontier = plot_frontier(summary, out_dir)
+    if frontier is not None:
+        written.append(frontier)
     figure, axis = plt.subplots(figsize=(6, 4))
     for label, entry in summary.items():
         # Positions never tried have no rate (None): plot what was measured.
@@ -54,6 +57,44 @@ def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
     written.append(_save(figure, out_dir / "acceptance_by_position.png"))
     plt.close(figure)
     return written
+
+
+def plot_frontier(summary: dict[str, dict], out_dir: Path) -> Path | None:
+    """acceptance_vs_kl.png: AL against measured KL per token, one curve per lossy rule and draft
+    length (Cactus over delta, typical acceptance over its threshold), SpS as the KL = 0 point.
+    None when no rule has two points."""
+    import matplotlib.pyplot as plt
+
+    curves: dict[tuple, list[tuple[float, float, str]]] = {}
+    for entry in summary.values():
+        if entry["method"] in ("cactus", "tas", "sps") and entry["drafter"] == "model":
+            key = (entry["method"], entry["n_draft"])
+            knob = (
+                f"δ={entry['delta']:g}"
+                if entry["method"] == "cactus"
+                else f"τ={entry['posterior_threshold']:g}"
+            )
+            curves.setdefault(key, []).append(
+                (entry.get("kl_per_token") or 0.0, entry["acceptance_length"], knob)
+            )
+    if not any(len(points) > 1 for (method, _), points in curves.items() if method != "sps"):
+        return None
+    figure, axis = plt.subplots(figsize=(6.5, 4.2))
+    for (method, n_draft), points in sorted(curves.items(), key=str):
+        points.sort()
+        name = {"cactus": "Cactus", "tas": "typical acceptance", "sps": "SpS (lossless)"}[method]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name}, k={n_draft}")
+        for kl, al, knob in points if method != "sps" else []:
+            axis.annotate(knob, (kl, al), textcoords="offset points", xytext=(4, -10), fontsize="x-small")
+    axis.set(
+        xlabel="KL(output ‖ target) per emitted token (nats)", ylabel="AL (accepted drafts / verifier call)"
+    )
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    path = _save(figure, out_dir / "acceptance_vs_kl.png")
+    plt.close(figure)
+    return path
 
 
 def _save(figure, path: Path) -> Path:

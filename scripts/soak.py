@@ -5,8 +5,9 @@
 Each turn sends a short user message and streams a short reply. Turns rotate through the methods
 and drafters, and some end early on purpose (a cancel after a few tokens, a closed stream, a stop
 string), so every exit path runs many times. When the next turn would not fit the context, the
-oldest exchange is dropped, as `/drop` does in the chat. After every turn the caches must hold a
-prefix of prompt + reply according to llama.cpp's own position range; the resident set size
+oldest exchanges are dropped, as `/drop` does in the chat, until half the context is free. After
+every turn the caches must hold a prefix of prompt + reply according to llama.cpp's own position
+range; the resident set size
 (RSS) is sampled every 10 turns. Writes soak.json and soak_rss.png (with matplotlib) to --out and
 exits non-zero on any inconsistency or when RSS grew by more than --max-growth-mb.
 """
@@ -88,9 +89,12 @@ def soak(engine: Engine, turns: int, max_tokens: int) -> dict:
     start = time.perf_counter()
     for turn in range(turns):
         messages.append({"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]})
-        while len(messages) > 1 and not fits(engine, messages, max_tokens):
-            del messages[:2]  # the oldest exchange, as /drop does
-            dropped += 1
+        if not fits(engine, messages, max_tokens):
+            # As a user would: /drop the oldest exchanges until half the context is free, rather
+            # than one per turn (each drop changes the prompt's start and costs a full prefill).
+            while len(messages) > 1 and not fits(engine, messages, max_tokens + engine.target.n_ctx // 2):
+                del messages[:2]
+                dropped += 1
         prompt = engine.tokenize_chat(messages)
         text, tokens, finish = run_turn(engine, messages, turn, max_tokens)
         finishes[finish] = finishes.get(finish, 0) + 1

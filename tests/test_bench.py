@@ -146,3 +146,32 @@ def test_each_variant_keeps_its_own_auto_estimates():
         by_variant.setdefault(n_draft, set()).add(costs)
     assert len(by_variant[4]) == 1 and len(by_variant["auto"]) == 1
     assert by_variant[4] != by_variant["auto"]
+
+
+def test_typical_acceptance_thresholds_make_one_variant_each():
+    variants = make_variants(["tas", "cactus"], [1.0], [8], ["model"], tas_thresholds=[0.05, 0.09, 0.3])
+    labels = [v.label for v in variants]
+    assert labels == ["none", "tas τ=0.05 k=8", "tas k=8", "tas τ=0.3 k=8", "cactus δ=1 k=8"]
+    assert variants[3].config(seed=0).rule.posterior_threshold == 0.3
+
+
+def test_the_frontier_plot_needs_two_points_of_a_lossy_rule(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cactus_edge.plots import plot_frontier
+
+    def entry(method, al, kl, delta=1.0, threshold=0.09):
+        return {
+            "method": method,
+            "drafter": "model",
+            "n_draft": 8,
+            "acceptance_length": al,
+            "kl_per_token": kl,
+            "delta": delta,
+            "posterior_threshold": threshold,
+        }
+
+    one = {"sps": entry("sps", 3.0, 0.0), "c1": entry("cactus", 4.0, 0.05)}
+    assert plot_frontier(one, tmp_path) is None
+    two = {**one, "c2": entry("cactus", 4.5, 0.09, delta=2.0), "t1": entry("tas", 4.1, 0.1, threshold=0.05)}
+    path = plot_frontier(two, tmp_path)
+    assert path == tmp_path / "acceptance_vs_kl.png" and path.stat().st_size > 0

@@ -110,3 +110,16 @@ def test_the_cli_and_the_openai_layer_take_the_budget(tiny_args):
     assert data["kl_budget"] == 0.5 and data["kl_total"] <= 0.5
     parsed = parse_request({"messages": [], "speculative": {"kl_budget": 2}})
     assert parsed.config.kl_budget == 2
+
+
+def test_typical_acceptance_parameters_reach_the_rule(engine):
+    """A zero threshold accepts every draft the target allows; threshold and alpha 1 accept only
+    drafts above e^−H(q): the parameters really change verification."""
+    settings = {"method": "tas", "n_draft": 4, "temperature": 1.0, "top_k": 6, "top_p": 1.0, "max_tokens": 40}
+    lenient = engine.generate(PROMPT, GenerationConfig(**settings, seed=2, posterior_threshold=0.0))
+    strict = engine.generate(
+        PROMPT, GenerationConfig(**settings, seed=2, posterior_threshold=1.0, posterior_alpha=1.0)
+    )
+    assert lenient.stats.acceptance_length > strict.stats.acceptance_length
+    with pytest.raises(InvalidSettingError, match="posterior_alpha"):
+        GenerationConfig(method="tas", posterior_alpha=2.0)
