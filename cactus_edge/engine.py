@@ -436,7 +436,7 @@ class _Generation:
         verdict = self.rule.verify(np.array(proposal.tokens), proposal.rows, target_rows, self.rng)
         n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
         emitted = [*proposal.tokens[:n_accepted], verdict.next_token]
-        kl = self.fidelity(proposal.rows, target_rows, n_decided)
+        kl = _step_kl(self.rule, proposal.rows, target_rows, n_decided)
         return emitted, n_accepted, verdict.acceptance_probs, kl
 
     def commit(self, emitted: list[int], n_accepted: int) -> None:
@@ -447,16 +447,16 @@ class _Generation:
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
 
-    def fidelity(self, draft_rows: list, target_rows, n_decided: int) -> float | None:
-        """Mean KL(out ‖ target) over the positions decided this step (lossy rules, sparse rows)."""
-        if self.rule.lossless:
-            return 0.0
-        if isinstance(self.rule, KLBudgetRule):  # it measured each position to keep its budget
-            return float(np.mean(self.rule.position_kls)) if self.rule.position_kls else None
-        if not isinstance(target_rows, SparseProbs):
-            return None
-        values = [output_kl(self.rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
-        return float(np.mean(values)) if values else None
+def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | None:
+    """Mean KL(out ‖ target) over the positions decided in a step (lossy rules, sparse rows)."""
+    if rule.lossless:
+        return 0.0
+    if isinstance(rule, KLBudgetRule):  # it measured each position to keep its budget
+        return float(np.mean(rule.position_kls)) if rule.position_kls else None
+    if not isinstance(target_rows, SparseProbs):
+        return None
+    values = [output_kl(rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
+    return float(np.mean(values)) if values else None
 
 
 def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:

@@ -11,6 +11,8 @@ from cactus_edge.engine import Engine, GenerationConfig, _Generation
 from cactus_edge.errors import ContextLengthError, IncompatiblePairError
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
+from .first_tokens import first_token_counts
+
 PROMPT = "the water is hot and"
 # Batched verification and one-token decoding can differ by ~1e-3 in a logit (f32 sums in another
 # order). A greedy token may only flip where the target's top-2 margin is below this.
@@ -106,13 +108,10 @@ def test_first_tokens_follow_the_target_distribution_under_sps(engine, target_al
     target_alone.reset()
     target_probs = to_dense(process_logits(target_alone.decode(prompt_tokens)[0], sampling))
     support = np.flatnonzero(target_probs)
-    config = dict(method="sps", n_draft=3, temperature=1.0, top_k=6, top_p=1.0, max_tokens=3)
-    counts = np.zeros(target_probs.size, dtype=np.int64)
-    n_runs, accepted_first = 3000, 0
-    for seed in range(n_runs):
-        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
-        counts[result.tokens[0]] += 1
-        accepted_first += result.stats.steps[0].n_accepted > 0
+    n_runs = 3000
+    counts, accepted_first = first_token_counts(
+        engine, prompt_tokens, n_runs, method="sps", n_draft=3, temperature=1.0, top_k=6, top_p=1.0
+    )
     assert accepted_first > n_runs * 0.1  # the first token is often an accepted draft
     assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
     expected = target_probs[support] * n_runs

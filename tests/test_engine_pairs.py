@@ -13,6 +13,8 @@ from cactus_edge.engine import Engine, GenerationConfig, _Generation
 from cactus_edge.errors import NonFiniteLogitsError
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
+from .first_tokens import first_token_counts
+
 PROMPT = "the water is hot and"
 
 
@@ -45,13 +47,10 @@ def test_sps_stays_lossless_across_vocabulary_sizes(vocab_pair):
     cells.append(np.setdiff1d(np.arange(shared), np.concatenate(cells)))
     if engine.target.vocab_size > shared:
         cells.append(np.arange(shared, engine.target.vocab_size))
-    config = {"method": "sps", "n_draft": 3, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_tokens": 3}
-    counts = np.zeros(target_probs.size, dtype=np.int64)
-    n_runs, accepted_first = 3000, 0
-    for seed in range(n_runs):
-        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
-        counts[result.tokens[0]] += 1
-        accepted_first += result.stats.steps[0].n_accepted > 0
+    n_runs = 3000
+    counts, accepted_first = first_token_counts(
+        engine, prompt_tokens, n_runs, method="sps", n_draft=3, temperature=1.0, top_k=0, top_p=1.0
+    )
     assert accepted_first > n_runs * 0.3
     observed = [counts[c].sum() for c in cells]
     expected = [target_probs[c].sum() * n_runs for c in cells]
