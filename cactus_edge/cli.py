@@ -670,5 +670,110 @@ def json_stats(stats) -> dict:
     return {"n_tokens": stats.n_tokens, **{key: summary[key] for key in keys}}
 
 
+@main.command()
+@model_options
+@sampling_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", type=int, default=8765, show_default=True, help="TCP port; 0 picks a free one.")
+@click.option(
+    "--uds", default=None, type=click.Path(dir_okay=False), help="Listen on this Unix socket instead of TCP."
+)
+@click.option(
+    "--api-key",
+    envvar="CACTUS_EDGE_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' (default: $CACTUS_EDGE_API_KEY, else no key).",
+)
+@click.option(
+    "--cors-origin", multiple=True, help="Browser origin allowed to call (repeatable; none by default)."
+)
+@click.option(
+    "--allowed-host",
+    multiple=True,
+    help="Host header accepted besides localhost/127.0.0.1/[::1] (repeatable; DNS-rebinding protection).",
+)
+@click.option(
+    "--max-queue",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Requests that may wait behind the running one.",
+)
+@click.option("--max-tokens-cap", type=int, default=None, help="Most tokens one request may generate.")
+@click.option(
+    "--max-body-bytes", type=int, default=4 * 1024 * 1024, show_default=True, help="Largest request body."
+)
+@click.option("--model-name", default=None, help="Model id to serve (default: the target file's name).")
+@click.option("--metrics", is_flag=True, help="Serve Prometheus metrics at GET /metrics.")
+@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
+@handle_errors
+def serve(
+    model,
+    system,
+    host,
+    port,
+    uds,
+    api_key,
+    cors_origin,
+    allowed_host,
+    max_queue,
+    max_tokens_cap,
+    max_body_bytes,
+    model_name,
+    metrics,
+    as_json,
+    **flags,
+) -> None:
+    """An OpenAI-compatible server (chat/completions, completions, models) on loopback."""
+    import json
+    import logging
+
+    from .server import ServerSettings, run
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config = build_config(**flags)
+    settings = ServerSettings(
+        host=host,
+        port=port,
+        uds=uds,
+        api_key=api_key or None,
+        cors_origins=tuple(cors_origin),
+        allowed_hosts=tuple(allowed_host),
+        max_queue=max_queue,
+        max_tokens_cap=max_tokens_cap,
+        metrics=metrics,
+        max_body_bytes=max_body_bytes,
+        model_name=model_name or _served_model_name(model),
+        base_config=config,
+        default_system=system,
+    )
+    if host not in ("127.0.0.1", "localhost", "::1") and not uds:
+        click.echo(
+            f"warning: listening on {host} exposes the model to the network"
+            + ("" if settings.api_key else "; set --api-key"),
+            err=True,
+        )
+
+    def announce(server) -> None:
+        if as_json:
+            ready = {"event": "listening", "url": server.url, "port": server.port, "uds": settings.uds}
+            click.echo(json.dumps({**ready, "model": settings.model_name, "pid": os.getpid()}))
+        else:
+            click.echo(f"listening on {server.url}")
+
+    run(lambda: model.load(config.method, config.drafter), settings, announce)
+
+
+def _served_model_name(model) -> str:
+    """The id /v1/models lists: the target file's name without .gguf, or the registry's name."""
+    target = model.target
+    if not target:
+        from .registry import load_registry
+
+        target = load_registry().pair(model.pair or "default").target
+    name = Path(target).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
