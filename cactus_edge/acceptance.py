@@ -339,7 +339,8 @@ class KLBudgetRule(AcceptanceRule):
     computed first (it depends on the rows only, not on the sampled draft); the lossy rule judges
     the position while ``spent`` + that KL stays within ``budget``, and SpS (lossless) judges it and
     every later position of the response otherwise. The choice is a function of the prefix, so by
-    the chain rule the response-level KL is the expected ``spent``, which never exceeds the budget.
+    the chain rule the response-level KL is at most the expected ``spent``, which never exceeds the
+    budget. Budget 0 is SpS by construction.
 
     Dense rows (top-k off) cannot be measured cheaply over a real vocabulary: they are judged by
     SpS. One instance per response: ``spent`` is its running sum. ``position_kls`` holds the KL of
@@ -366,6 +367,8 @@ class KLBudgetRule(AcceptanceRule):
         for position, token in enumerate(draft_tokens.tolist()):
             rule, kl = self._rule_for(draft_probs[position], target_probs[position])
             draft, target = _Dist.of(draft_probs[position]), _Dist.of(target_probs[position])
+            if draft.prob(token) <= 0.0:
+                raise ValueError(f"draft token {token} at position {position} has zero draft probability")
             accepted, emitted, accept_prob = rule.judge(token, draft, target, vocab_size, rng)
             accept_probs.append(accept_prob)
             kls.append(kl)
@@ -378,7 +381,7 @@ class KLBudgetRule(AcceptanceRule):
         return Verdict(len(draft_tokens), bonus, tuple(accept_probs))
 
     def _rule_for(self, draft_row: ProbRows, target_row: ProbRows) -> tuple[AcceptanceRule, float]:
-        if not self.exhausted and isinstance(target_row, SparseProbs):
+        if not self.exhausted and self.budget > 0 and isinstance(target_row, SparseProbs):
             kl = output_kl(self.rule, draft_row, target_row)
             if self.spent + kl <= self.budget:
                 return self.rule, max(kl, 0.0)

@@ -143,8 +143,8 @@ class LlamaModel:
         if not self._ctx:
             self.close()
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
-        self._memory = llama_cpp.llama_get_memory(self._ctx)
-        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self._memory_handle = llama_cpp.llama_get_memory(self._ctx)
+        self._vocab_handle = llama_cpp.llama_model_get_vocab(self._model)
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
         self.n_batch = n_batch
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
@@ -157,6 +157,17 @@ class LlamaModel:
     def _check_open(self) -> None:
         if not self._ctx:
             raise BackendError(f"{self.path.name} is closed")
+
+    @property
+    def _vocab(self):
+        """The vocabulary pointer, refused once closed (it points into the freed model)."""
+        self._check_open()
+        return self._vocab_handle
+
+    @property
+    def _memory(self):
+        self._check_open()
+        return self._memory_handle
 
     @property
     def closed(self) -> bool:
@@ -207,11 +218,13 @@ class LlamaModel:
 
     @property
     def chat_template(self) -> str | None:
+        self._check_open()
         template = llama_cpp.llama_model_chat_template(self._model, None)
         return template.decode("utf-8") if template else None
 
     @property
     def n_ctx_train(self) -> int:
+        self._check_open()
         return llama_cpp.llama_model_n_ctx_train(self._model)
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:

@@ -86,11 +86,15 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
     else:
         text, suffix = Path(path).read_text(), Path(path).suffix
     prompts = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        entry = json.loads(line) if suffix == ".jsonl" else {"prompt": line, "category": "user"}
-        prompts.append({"category": entry.get("category", "user"), "prompt": entry["prompt"]})
+        try:
+            entry = json.loads(line) if suffix == ".jsonl" else {"prompt": line, "category": "user"}
+            prompts.append({"category": entry.get("category", "user"), "prompt": entry["prompt"]})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            message = f"{path}, line {number}: not a JSON object with a 'prompt' ({error})"
+            raise InvalidSettingError(message, param="prompts") from error
     if categories:
         prompts = [p for p in prompts if p["category"] in categories]
     if not prompts:

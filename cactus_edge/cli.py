@@ -271,7 +271,7 @@ def speculative_flags(command):
                 type=float,
                 default=defaults.DEFAULT_DELTA,
                 show_default=True,
-                help="Cactus KL budget.",
+                help="Cactus's per-token KL budget δ (0 = SpS).",
             ),
             click.option(
                 "--n-draft",
@@ -390,8 +390,9 @@ def chat(model, system, **flags) -> None:
     config = build_config(**flags)
 
     def engine_factory():
-        # Chat switches methods between turns (/method), so the draft is loaded even for `none`.
-        return model.load(defaults.DEFAULT_METHOD, config.drafter)
+        # Chat switches methods and drafters between turns (/method, /drafter): load the draft
+        # whatever the starting flags say.
+        return model.load(defaults.DEFAULT_METHOD, defaults.DEFAULT_DRAFTER)
 
     fetch_default = None
     if not (model.draft or model.target):

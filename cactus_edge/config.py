@@ -92,8 +92,10 @@ class GenerationConfig:
             raise InvalidSettingError(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidSettingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidSettingError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
+            raise InvalidSettingError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
         if self.kl_budget is not None and (
             isinstance(self.kl_budget, bool)
             or not isinstance(self.kl_budget, (int, float))

@@ -185,18 +185,24 @@ class ModelDrafter:
 
     def _sample_rows(self, logits, guided, tokens: list, rows: list, n_draft: int) -> tuple[int, int]:
         """Sample from the decoded rows in order while the samples follow the guess.
-        Returns (how many guessed tokens the drafts followed, the possibly lowered n_draft)."""
+        Returns (how many guessed tokens the drafts followed, the possibly lowered n_draft).
+
+        A draft whose own p(d) is below p_min is kept, verified, and ends the block: positions
+        after it are rarely accepted. Dropping it instead would leave its position to the target
+        alone only when the draft happened to sample an unlikely token, which biases the output
+        even under SpS."""
         n_followed = 0
         for index in range(len(guided) + 1):
             row = widen_row(process_logits(logits[index], self.sampling), self.vocab_size)
             token = sample_token(row, self.rng)
-            if self.p_min and row_prob(row, token) < self.p_min:
-                return n_followed, len(tokens)  # such tokens are rarely accepted: verify what we have
             tokens.append(token)
             rows.append(row)
-            if index == len(guided) or token != guided[index] or len(tokens) == n_draft:
+            followed = index < len(guided) and token == guided[index]
+            if self.p_min and row_prob(row, token) < self.p_min:
+                return n_followed + followed, len(tokens)
+            if not followed or len(tokens) == n_draft:
                 # Rows after this one are conditioned on a token we did not draw (or not needed).
-                return n_followed + (index < len(guided) and token == guided[index]), n_draft
+                return n_followed + followed, n_draft
             n_followed += 1
         return n_followed, n_draft
 

@@ -98,6 +98,46 @@ class _Guard:
             return False
 
 
+class _Lifecycle:
+    """Open or closed, and which prompt operations (tokenizing, rendering) are in flight: they
+    never wait for a generation, so closing must wait for them before freeing the models."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.closing = threading.Event()  # the running generation ends at its next step
+        self._in_flight = 0
+        self._changed = threading.Condition()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+
+    @contextlib.contextmanager
+    def prompt_operation(self):
+        with self._changed:
+            self.check_open()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._in_flight -= 1
+                self._changed.notify_all()
+
+    def close(self) -> bool:
+        """Mark closed (False if it already was); no new prompt operation starts after this."""
+        with self._changed:
+            if self.closed:
+                return False
+            self.closed = True
+        self.closing.set()
+        return True
+
+    def wait_for_prompt_operations(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._in_flight == 0, timeout=30)
+
+
 class _ForeignTokens(dict):
     """Target ids the draft's vocabulary lacks (the target's is up to 128 tokens larger), fed to
     the draft as the first draft token of the same text: the draft's cache keeps one position per
@@ -123,13 +163,14 @@ class Engine:
     """
 
     def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
-        self.target, self.draft = target, draft
         if draft is not None and draft.vocab_size < target.vocab_size:
             draft.foreign_tokens = _ForeignTokens(draft, target)
+        if not isinstance(target, LlamaModel) or not isinstance(draft, (LlamaModel, type(None))):
+            raise TypeError("Engine(target, draft) takes loaded LlamaModels; use Engine.load(draft, target)")
+        self.target, self.draft = target, draft
         self.prompts = Prompts(target)
         self._guard = _Guard()
-        self._closing = threading.Event()  # set by close(): the running generation ends
-        self._closed = False
+        self._life = _Lifecycle()
         self.reset_estimates()
 
     @classmethod
@@ -154,20 +195,18 @@ class Engine:
         """Free both models. A running generation is cancelled at its next step; the models are
         freed once it has let go (at once when idle; waiting up to ``wait`` seconds for another
         thread's stream). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._closing.set()
-        self._guard.run_when_free(self._free_models, wait)
+        if self._life.close():
+            self._guard.run_when_free(self._free_models, wait)
 
     def _free_models(self) -> None:
+        self._life.wait_for_prompt_operations()
         for model in (self.draft, self.target):
             if model is not None:
                 model.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._life.closed
 
     def __enter__(self) -> Engine:
         return self
@@ -179,25 +218,21 @@ class Engine:
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The chat template's text for ``messages`` (for display; generation uses token ids)."""
-        self._check_open()
-        return self.prompts.render(messages)
+        with self._life.prompt_operation():
+            return self.prompts.render(messages)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids for a conversation: the template's markup may produce control tokens, message
         contents never do (pasted ``<|im_start|>`` stays text)."""
-        self._check_open()
-        return self.prompts.tokenize_chat(messages)
+        with self._life.prompt_operation():
+            return self.prompts.tokenize_chat(messages)
 
     def tokenize_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
         """Raw prompt ids; see :meth:`Prompts.tokenize_prompt`."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
-        self._check_open()
-        return self.prompts.tokenize_prompt(prompt, chat=chat)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        with self._life.prompt_operation():
+            return self.prompts.tokenize_prompt(prompt, chat=chat)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -231,14 +266,14 @@ class Engine:
             then :class:`EngineBusy`.
         """
         config = config or GenerationConfig()
-        self._check_open()
+        self._life.check_open()
         prompt_tokens = self.tokenize_prompt(prompt)
         _check_request(config, prompt_tokens, self.target, self.draft)
         return self._run(prompt_tokens, config, cancel or threading.Event(), timeout)
 
     def _run(self, prompt_tokens, config, cancel, timeout) -> Iterator[StreamEvent]:
         with self._guard.hold(timeout):
-            self._check_open()  # closed while this stream waited
+            self._life.check_open()  # closed while this stream waited
             yield from _Generation(self, prompt_tokens, config, cancel).events()
 
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
@@ -343,6 +378,7 @@ class _Generation:
         """Bring every cache to committed[:-1], reusing the longest common prefix it holds."""
         start = time.perf_counter()
         for model in self.models():
+            model.sync_cache()  # cheap insurance: llama.cpp holds exactly what the mirror says
             keep = _common_prefix(model.tokens, self.committed[:-1])
             model.truncate(keep)
             if model is self.target:
@@ -355,7 +391,7 @@ class _Generation:
     def decode_loop(self):
         """Steps until a finish; yields the events it hands out, returns the finish reason."""
         while True:
-            if self.cancel.is_set() or self.engine._closing.is_set():
+            if self.cancel.is_set() or self.engine._life.closing.is_set():
                 return "cancelled"
             if len(self.committed) > self.target.n_ctx:
                 return "length"
@@ -446,6 +482,7 @@ class _Generation:
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
+
 
 def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | None:
     """Mean KL(out ‖ target) over the positions decided in a step (lossy rules, sparse rows)."""

@@ -13,7 +13,8 @@ How each request field is treated:
 * Used (:data:`SETTINGS`): ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
   (a string or at most 4 strings), ``max_tokens`` / ``max_completion_tokens`` (either; equal if
   both), ``stream``, ``stream_options.include_usage``, ``model``, and our extension
-  ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget"}``.
+  ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget",
+  "posterior_threshold", "posterior_alpha"}``.
 * Accepted at their neutral value only (:data:`NEUTRAL_ONLY`): a field whose other values would
   change what the client gets back, so ignoring them would silently answer a different question:
   ``n`` (1), ``presence_penalty`` / ``frequency_penalty`` (0), ``logit_bias`` (empty),
@@ -68,7 +69,16 @@ SETTINGS = (
 )
 
 # Keys of the "speculative" extension; each is the GenerationConfig field of the same name.
-SPECULATIVE_KEYS = ("method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget")
+SPECULATIVE_KEYS = (
+    "method",
+    "delta",
+    "n_draft",
+    "drafter",
+    "draft_p_min",
+    "kl_budget",
+    "posterior_threshold",
+    "posterior_alpha",
+)
 
 IGNORED = frozenset(
     {
@@ -168,6 +178,8 @@ _SETTING_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "delta": (_is_number, "a number"),
     "draft_p_min": (_is_number, "a number"),
     "kl_budget": (_is_number, "a number of nats"),
+    "posterior_threshold": (_is_number, "a number"),
+    "posterior_alpha": (_is_number, "a number"),
     "method": (lambda v: isinstance(v, str), "a string"),
     "drafter": (lambda v: isinstance(v, str), "a string"),
     "n_draft": (lambda v: _is_int(v) or v == "auto", 'an integer or "auto"'),
@@ -238,12 +250,13 @@ def _sampling_changes(present: dict[str, Any]) -> dict[str, Any]:
     changes = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop"):
         if name in present:
-            _check_setting(name, present[name], name)
-            changes[name] = present[name]
-    if "seed" in changes:
-        # OpenAI seeds are any 64-bit integer; numpy's generator takes only non-negative ones.
-        # Folding keeps "same seed, same output" without refusing valid requests.
-        changes["seed"] %= 2**64
+            value = present[name]
+            if name == "seed" and isinstance(value, int) and not isinstance(value, bool):
+                # OpenAI seeds are any 64-bit integer; numpy's generator takes only non-negative
+                # ones. Folding keeps "same seed, same output" without refusing valid requests.
+                value %= 2**64
+            _check_setting(name, value, name)
+            changes[name] = value
     if "stop" in changes and not isinstance(changes["stop"], str):
         changes["stop"] = tuple(changes["stop"])
     max_tokens = _max_tokens(present)

@@ -43,6 +43,7 @@ from typing import Any
 
 from .config import GenerationConfig
 from .errors import (
+    BackendError,
     CactusEdgeError,
     ContextLengthError,
     EngineBusy,
@@ -922,7 +923,7 @@ class ServerApp:
             if isinstance(prompt, list):
                 return prompt
             return await loop.run_in_executor(None, lambda: engine.tokenize_prompt(prompt, chat=True))
-        except InvalidSettingError as error:
+        except (InvalidSettingError, EngineClosedError, BackendError) as error:
             raise _from_library_error(error, "prompt") from None
         except CactusEdgeError as error:  # a chat template refusing the messages
             raise HTTPError(

@@ -115,6 +115,8 @@ def test_speculative_extension():
         "drafter": "lookup",
         "draft_p_min": 0.1,
         "kl_budget": 3.0,
+        "posterior_threshold": 0.2,
+        "posterior_alpha": 0.5,
     }
     config = parse_request({"speculative": speculative}).config
     assert {key: getattr(config, key) for key in SPECULATIVE_KEYS} == speculative

@@ -357,32 +357,39 @@ def cancelled(server) -> int:
     return server.app.metrics.generations["cancelled"]
 
 
-def test_disconnect_mid_stream_cancels_and_the_next_request_equals_a_fresh_engine(server, http, tiny_pair):
-    before, completed_before = cancelled(server), server.app.metrics.completion_tokens
-    body = chat_body(max_tokens=400, stream=True, temperature=0.6, seed=1)
-    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-        for line in response.iter_lines():
-            if '"content": "' in line and '"role"' not in line:
-                break  # one content chunk seen: hang up mid-stream
-    wait_until(lambda: cancelled(server) == before + 1, "the generation to be cancelled")
-    assert server.app.metrics.completion_tokens - completed_before < 400
-    wait_until(lambda: server.app.scheduler.running == 0, "the slot to free")
-    served = http.post("/v1/chat/completions", json=chat_body(max_tokens=8, **GREEDY)).json()
-    config = GenerationConfig(method="sps", n_draft=3, temperature=0, seed=0, max_tokens=8)
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as fresh:
-        expected = fresh.chat(MESSAGES, config)
-    assert served["choices"][0]["message"]["content"] == expected.text
-    assert served["usage"]["completion_tokens"] == len(expected.tokens)
+def test_disconnect_mid_stream_cancels_and_the_next_request_equals_a_fresh_engine(gated, tiny_pair):
+    engine, start = gated
+    engine.pace, server = 0.02, start()  # 400 tokens take 8 s: far longer than noticing the hang-up
+    engine.gate.set()
+    with httpx.Client(base_url=server.url, timeout=WAIT) as http:
+        before, completed_before = cancelled(server), server.app.metrics.completion_tokens
+        body = chat_body(max_tokens=400, stream=True, temperature=0.6, seed=1, speculative={"n_draft": 3})
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if '"content": "' in line and '"role"' not in line:
+                    break  # one content chunk seen: hang up mid-stream
+        wait_until(lambda: cancelled(server) == before + 1, "the generation to be cancelled")
+        assert server.app.metrics.completion_tokens - completed_before < 400
+        wait_until(lambda: server.app.scheduler.running == 0, "the slot to free")
+        served = http.post("/v1/chat/completions", json=chat_body(max_tokens=8, **GREEDY)).json()
+        config = GenerationConfig(method="sps", n_draft=3, temperature=0, seed=0, max_tokens=8)
+        with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as fresh:
+            expected = fresh.chat(MESSAGES, config)
+        assert served["choices"][0]["message"]["content"] == expected.text
+        assert served["usage"]["completion_tokens"] == len(expected.tokens)
 
 
 # --- the queue: a gate holds the engine, so nothing depends on timing -------------------------------
 
 
 class GatedEngine:
-    """The real engine; each stream records its prompt when it starts and then waits for ``gate``."""
+    """The real engine; each stream records its prompt when it starts and then waits for ``gate``.
+    With ``pace`` each event also waits that many seconds, so a long generation cannot finish
+    before the server notices a client that hung up (the tiny model makes hundreds of tokens a
+    second)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, pace: float = 0.0):
+        self.engine, self.pace = engine, pace
         self.gate = threading.Event()
         self.started: list[list[int]] = []
 
@@ -396,7 +403,9 @@ class GatedEngine:
             self.started.append(list(prompt))
             if not self.gate.wait(WAIT):
                 raise TimeoutError("the test never opened the gate")
-            yield from events
+            for event in events:
+                time.sleep(self.pace)
+                yield event
 
         return gated()
 
@@ -515,6 +524,7 @@ def test_max_queue_overflow_gets_503_and_only_the_overflow(gated):
 
 def test_disconnect_while_waiting_for_a_full_response_cancels(gated):
     engine, start = gated
+    engine.pace = 0.02  # 400 tokens take 8 s: far longer than noticing the hang-up
     server = start()
     with pytest.raises(httpx.ReadTimeout):  # the gate holds the generation: the client gives up
         httpx.post(f"{server.url}{CHAT}", json=chat_body(max_tokens=400, **GREEDY), timeout=1.0)

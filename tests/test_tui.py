@@ -36,7 +36,7 @@ class FakeEngine:
         self.closed = 0
         self.cancelled_at_close = None
 
-    def close(self):
+    def close(self, wait=5.0):
         self.closed += 1
         self.cancelled_at_close = [cancel.is_set() for cancel in self.cancels]
 

@@ -218,7 +218,9 @@ class CactusChatApp(App):
             self._record(turn)
         engine, self.engine = self.engine, None
         if engine is not None:
-            engine.close()  # safe even if the reply's thread is still running: the engine ends it
+            # Safe even if the reply's thread still runs: the engine ends it and frees the models
+            # when it lets go; wait=0 keeps the UI from freezing meanwhile.
+            engine.close(wait=0)
 
     @work(thread=True, exclusive=True, group="load")
     def load_engine(self) -> None:
