@@ -981,19 +981,26 @@ class ServerApp:
             job.done = job.done or kind == "end"
         return kind, value
 
+    async def _next_event(self, job: Job, prompt_param: str) -> StreamEvent | None:
+        """The job's next event; None when the client is gone. An error raised before the
+        generation's end becomes its HTTP answer; an end without a final event is a 500."""
+        kind, value = await self._next(job)
+        if kind == "disconnected":
+            return None
+        if kind == "error":
+            raise _from_library_error(value, prompt_param)
+        if kind == "end":
+            raise HTTPError(
+                500, "the generation ended without a result", type="server_error", code="internal"
+            )
+        return value
+
     async def _complete(self, exchange: _Exchange, job: Job, shape: _Shape, prompt_param: str) -> None:
         text: list[str] = []
         while True:
-            kind, value = await self._next(job)
-            if kind == "disconnected":
+            event = await self._next_event(job, prompt_param)
+            if event is None:
                 return
-            if kind == "error":
-                raise _from_library_error(value, prompt_param)
-            if kind == "end":
-                raise HTTPError(
-                    500, "the generation ended without a result", type="server_error", code="internal"
-                )
-            event: StreamEvent = value
             text.append(event.text)
             if event.finish_reason is not None:
                 job.done = True
@@ -1006,15 +1013,9 @@ class ServerApp:
     async def _stream(self, exchange: _Exchange, job: Job, shape: _Shape, prompt_param: str) -> None:
         # The status is sent with the first event: an error before it (a shutdown while queued, a
         # refused setting) still gets its own status and envelope.
-        kind, value = await self._next(job)
-        if kind == "disconnected":
+        first = await self._next_event(job, prompt_param)
+        if first is None:
             return
-        if kind == "error":
-            raise _from_library_error(value, prompt_param)
-        if kind == "end":
-            raise HTTPError(
-                500, "the generation ended without a result", type="server_error", code="internal"
-            )
         await exchange.start(
             200,
             [
@@ -1026,6 +1027,7 @@ class ServerApp:
         role = shape.role_chunk()
         if role is not None:
             await exchange.body(_sse(role), more=True)
+        kind, value = "event", first
         while True:
             if kind == "disconnected":
                 return
