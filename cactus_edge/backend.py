@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -149,8 +150,10 @@ class LlamaModel:
         self.n_batch = n_batch
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._batch_arrays = _BatchArrays(self._batch, n_batch)
         self.tokens: list[int] = []
         self.foreign_tokens: dict[int, int] | None = None
+        self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -269,11 +272,17 @@ class LlamaModel:
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def decode(self, tokens: Sequence[int], output_rows: Sequence[int] = (-1,)) -> np.ndarray:
+    def decode(
+        self, tokens: Sequence[int], output_rows: Sequence[int] = (-1,), *, copy: bool = True
+    ) -> np.ndarray:
         """Append ``tokens`` to the sequence and return logits for the requested rows.
 
         output_rows: indices into ``tokens`` (negative counts from the end) whose logits are
-            wanted, in the order wanted; only those rows are computed and copied.
+            wanted, in the order wanted; only those rows are computed.
+        copy: False returns, when the rows are consecutive in the last batch, a read-only view of
+            llama.cpp's own output buffer (no copy, no finiteness check): it is valid only until
+            this model's next decode, and the caller must check finiteness
+            (``sampling.process_logits`` does, at no extra cost).
         Returns float32 logits, shape (len(output_rows), V).
         """
         self._check_open()
@@ -285,45 +294,79 @@ class LlamaModel:
                 f"context full: {self.n_past} + {n_new} tokens exceed n_ctx {self.n_ctx}"
             )
         wanted = [row % n_new for row in output_rows]
+        self.last_decode_ms = 0.0
+        last_start = (n_new - 1) // self.n_batch * self.n_batch
+        consecutive = wanted == list(range(wanted[0], wanted[0] + len(wanted))) if wanted else False
+        if not copy and consecutive and wanted[0] >= last_start:
+            return self._decode_to_view(tokens, [row - last_start for row in wanted], last_start)
         logits = np.empty((len(wanted), self.vocab_size), dtype=np.float32)
         for start in range(0, n_new, self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             chunk_rows = {row - start: i for i, row in enumerate(wanted) if start <= row < start + len(chunk)}
             self._decode_chunk(chunk, chunk_rows)
-            for batch_index, out_index in chunk_rows.items():
-                pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
-                if not pointer:
-                    raise BackendError(f"llama.cpp returned no logits for batch row {batch_index}")
-                logits[out_index] = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+            logits[list(chunk_rows.values())] = self._copy_rows(chunk_rows)
         self._check_finite(logits, [self.n_past - n_new + row for row in wanted])
         return logits
 
+    def _decode_to_view(self, tokens: Sequence[int], last_rows: list[int], last_start: int) -> np.ndarray:
+        for start in range(0, last_start, self.n_batch):
+            self._decode_chunk(tokens[start : start + self.n_batch], ())
+        self._decode_chunk(tokens[last_start:], last_rows)
+        view = self._output_view(last_rows[0], len(last_rows))
+        return view if view is not None else self._copy_rows(last_rows)
+
+    def _row_pointer(self, batch_index: int) -> int:
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
+        if not pointer:
+            raise BackendError(f"llama.cpp returned no logits for batch row {batch_index}")
+        return ctypes.cast(pointer, ctypes.c_void_p).value
+
+    def _output_view(self, first: int, n_rows: int) -> np.ndarray | None:
+        """Rows first..first+n_rows-1 of the last batch as one view, if llama.cpp stores them
+        back to back (it does for one sequence; checked, never assumed)."""
+        address = self._row_pointer(first)
+        row_bytes = self.vocab_size * 4
+        if n_rows > 1 and self._row_pointer(first + n_rows - 1) != address + (n_rows - 1) * row_bytes:
+            return None
+        buffer = (ctypes.c_float * (n_rows * self.vocab_size)).from_address(address)
+        view = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self.vocab_size)
+        view.flags.writeable = False
+        return view
+
+    def _copy_rows(self, batch_rows) -> np.ndarray:
+        """Copies of the given rows of the last batch, shape (len(batch_rows), V)."""
+        rows = np.empty((len(batch_rows), self.vocab_size), dtype=np.float32)
+        for i, batch_index in enumerate(batch_rows):
+            buffer = (ctypes.c_float * self.vocab_size).from_address(self._row_pointer(batch_index))
+            rows[i] = np.frombuffer(buffer, dtype=np.float32)
+        return rows
+
     def _check_finite(self, logits: np.ndarray, positions: list[int]) -> None:
-        """A NaN anywhere makes the row's max NaN, +inf makes it inf; a row of -inf is dead too.
-        One pass over the rows, far cheaper than what processing them costs anyway."""
+        """A NaN anywhere makes the row's max NaN, +inf makes it inf; a row of -inf is dead too."""
         if not logits.size:
             return
-        row_max = logits.max(axis=1)
-        bad = np.flatnonzero(~np.isfinite(row_max))
+        bad = np.flatnonzero(~np.isfinite(logits.max(axis=1)))
         if bad.size:
-            row = int(bad[0])
-            position = positions[row]
-            raise NonFiniteLogitsError(
-                f"llama.cpp returned non-finite logits (NaN or inf) from {self.path.name} for output "
-                f"row {row} (cache position {position}); the model file or the backend is broken"
-            )
+            raise self.non_finite_error(int(bad[0]), positions[int(bad[0])])
 
-    def _decode_chunk(self, chunk: Sequence[int], output_rows: dict[int, int]) -> None:
-        batch = self._batch
+    def non_finite_error(self, row: int, position: int) -> NonFiniteLogitsError:
+        """The error for non-finite logits in output ``row`` at cache ``position``."""
+        return NonFiniteLogitsError(
+            f"llama.cpp returned non-finite logits (NaN or inf) from {self.path.name} for output "
+            f"row {row} (cache position {position}); the model file or the backend is broken",
+            row=row,
+        )
+
+    def _decode_chunk(self, chunk: Sequence[int], output_rows) -> None:
+        """One llama_decode of ``chunk`` at the end of the sequence; ``output_rows`` holds the
+        chunk indices that need logits. The batch arrays are filled by numpy, not per token."""
         position = self.n_past
-        batch.n_tokens = len(chunk)
-        for i, token in enumerate(chunk):
-            batch.token[i] = self._fed_id(token)
-            batch.pos[i] = position + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = 1 if i in output_rows else 0
-        status = llama_cpp.llama_decode(self._ctx, batch)
+        fed = self._fed_ids(chunk)
+        self._batch_arrays.fill(fed, position, output_rows)
+        self._batch.n_tokens = len(fed)
+        start = time.perf_counter()
+        status = llama_cpp.llama_decode(self._ctx, self._batch)
+        self.last_decode_ms += (time.perf_counter() - start) * 1000
         if status != 0:
             # On failure llama.cpp may keep some processed ubatches: cut back to what we know.
             self._remove_from(position)
@@ -331,6 +374,13 @@ class LlamaModel:
                 raise ContextLengthError("no room left in the KV cache for this batch")
             raise BackendError(f"llama_decode failed with status {status}")
         self.tokens.extend(int(t) for t in chunk)
+
+    def _fed_ids(self, chunk: Sequence[int]) -> np.ndarray:
+        """The ids llama.cpp decodes for ``chunk`` (foreign ids mapped), int32 (n,)."""
+        ids = np.asarray(chunk, dtype=np.int64)
+        if ids.size and ids.min() >= 0 and ids.max() < self.vocab_size:
+            return ids.astype(np.int32)
+        return np.array([self._fed_id(int(t)) for t in ids], dtype=np.int32)
 
     def _fed_id(self, token: int) -> int:
         if 0 <= token < self.vocab_size:
@@ -376,6 +426,27 @@ class LlamaModel:
         self.tokens.clear()
 
 
+class _BatchArrays:
+    """numpy views over a llama_batch's arrays: filling a block of k + 1 tokens is a few slice
+    assignments instead of 5 ctypes writes per token. One sequence (id 0), set once."""
+
+    def __init__(self, batch, capacity: int) -> None:
+        self.batch = batch
+        self.token = np.ctypeslib.as_array(batch.token, shape=(capacity,))
+        self.pos = np.ctypeslib.as_array(batch.pos, shape=(capacity,))
+        self.logits = np.ctypeslib.as_array(batch.logits, shape=(capacity,))
+        np.ctypeslib.as_array(batch.n_seq_id, shape=(capacity,))[:] = 1
+        for i in range(capacity):
+            batch.seq_id[i][0] = 0
+
+    def fill(self, ids: np.ndarray, position: int, output_rows) -> None:
+        n_tokens = len(ids)
+        self.token[:n_tokens] = ids
+        self.pos[:n_tokens] = np.arange(position, position + n_tokens)
+        self.logits[:n_tokens] = 0
+        self.logits[list(output_rows)] = 1
+
+
 class Detokenizer:
     """Token ids → text, one token at a time, never emitting half a UTF-8 character: bytes of an
     unfinished character wait for the next token (byte-fallback and BPE vocabularies split them)."""
@@ -393,3 +464,31 @@ class Detokenizer:
     def flush(self) -> str:
         """Whatever is pending (an unfinished character becomes U+FFFD)."""
         return self._decoder.decode(b"", final=True)
+
+
+# --- quantization ----------------------------------------------------------------------------------
+
+
+def quantize_gguf(
+    src: str | os.PathLike, dst: str | os.PathLike, ftype_name: str, n_threads: int | None = None
+) -> None:
+    """Write ``src`` re-quantized to ``ftype_name`` ("q4_0", "q4_k_m", "f16", …: the lowercase tail
+    of llama.cpp's LLAMA_FTYPE_MOSTLY_* names) into ``dst`` with llama.cpp's own quantizer, so the
+    file holds exactly the tensor types llama.cpp chooses for that type (norms stay F32; a tensor
+    whose rows do not fit the type's blocks falls back to a type that fits). Re-quantizing an
+    already quantized source is allowed: the caller asked for it. ``src`` is only read. ``dst`` is
+    written in place: making that atomic is the caller's job."""
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name.upper()}", None)
+    if ftype is None:
+        raise BackendError(f"this llama.cpp has no quantization type {ftype_name!r}")
+    _ensure_backend()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = n_threads or physical_cores()
+    status = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
+    if status != 0:
+        raise BackendError(
+            f"llama.cpp could not quantize {Path(src).name} to {ftype_name.upper()} (status {status}; "
+            "run with --verbose for its log)"
+        )

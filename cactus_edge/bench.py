@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .adaptive import CostModel
 from .config import DEFAULT_POSTERIOR_THRESHOLD, GenerationConfig
 from .errors import InvalidSettingError
+from .stats import PROFILE_PARTS
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -180,6 +181,8 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "draft_ms_per_step": sum(r["draft_ms"] for r in runs) / calls,
             "verify_ms_per_step": sum(r["verify_ms"] for r in runs) / calls,
             "overhead_ms_per_step": sum(r["overhead_ms"] for r in runs) / calls,
+            "profile_ms": _sum_profiles([r.get("profile_ms", {}) for r in runs]),
+            "n_verifier_calls": calls,
             "kl_mean": statistics.mean(kls) if kls else None,
             # The response-level KL spread over every emitted token (plain and bonus tokens add 0).
             "kl_per_token": sum(r.get("kl_total") or 0.0 for r in runs)
@@ -236,6 +239,10 @@ def measure_costs(engine: Engine, max_batch: int = 9, repeats: int = 3) -> dict:
         engine.draft.reset()
     engine.target.reset()
     return {"verify_ms": verify, "draft_ms": draft_ms}
+
+
+def _sum_profiles(profiles: list[dict[str, float]]) -> dict[str, float]:
+    return {part: sum(profile.get(part, 0.0) for profile in profiles) for part in PROFILE_PARTS}
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:

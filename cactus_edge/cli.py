@@ -13,7 +13,8 @@ import click
 
 from . import config as defaults
 from .errors import CactusEdgeError
-from .stats import summary_line
+from .quantize import QUANT_TYPES
+from .stats import profile_table, summary_line
 
 INTERNAL_ERROR_EXIT = 1
 
@@ -55,18 +56,20 @@ def main() -> None:
 
 @main.group()
 def models() -> None:
-    """List, fetch, verify and inspect GGUF models."""
+    """List, fetch, verify, inspect and re-quantize GGUF models."""
 
 
 @models.command("list")
 @handle_errors
 def models_list() -> None:
     """Registered models and pairs, and whether each file is present."""
-    from .registry import default_models_dir, format_size_mb, load_registry
+    from .registry import default_models_dir, format_size_mb, load_registry, local_registry_file
 
     registry = load_registry()
     models_dir = default_models_dir()
     click.echo(f"models directory: {models_dir}")
+    if local_registry_file(models_dir).is_file():
+        click.echo(f"local registry:   {local_registry_file(models_dir)} (made by models quantize)")
     click.echo("\npairs:")
     for pair in registry.pairs.values():
         click.echo(f"  {pair.name:<18} {pair.draft} -> {pair.target}")
@@ -119,6 +122,43 @@ def models_verify(names: tuple[str, ...]) -> None:
             failed.append(spec.name)
     if failed:
         raise IntegrityError(f"{len(failed)} model(s) failed verification: {', '.join(failed)}")
+
+
+@models.command("quantize")
+@click.argument("name_or_path", metavar="NAME|PATH")
+@click.option(
+    "--type",
+    "quant_type",
+    required=True,
+    type=click.Choice(QUANT_TYPES, case_sensitive=False),
+    help="Quantization type (llama.cpp's names, any case).",
+)
+@click.option(
+    "--name", default=None, help="Local name of the result (default: NAME-TYPE; for a pair, the new pair's)."
+)
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Default: physical cores.")
+@click.option(
+    "--force", is_flag=True, help="Re-make an existing result, or replace a local model made differently."
+)
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's quantizer log.")
+@handle_errors
+def models_quantize(name_or_path, quant_type, name, threads, force, verbose) -> None:
+    """Re-quantize a model, a GGUF file, or both models of a pair with llama.cpp's quantizer, and
+    register the result locally (a pair PAIR becomes PAIR-TYPE)."""
+    from .quantize import describe, quantize
+
+    result = quantize(
+        name_or_path,
+        quant_type,
+        name=name,
+        n_threads=threads,
+        force=force,
+        verbose=verbose,
+        report=lambda model: click.echo(describe(model)),
+    )
+    if result.pair is not None:
+        pair = result.pair
+        click.echo(f"pair {pair.name}: {pair.draft} -> {pair.target} (use: --pair {pair.name})")
 
 
 @models.command("inspect")
@@ -350,8 +390,9 @@ def build_config(**flags):
     "text (where control-token text such as <|im_start|> is parsed as the control token).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
+@click.option("--profile", is_flag=True, help="Print where each step's time went (decodes and host work).")
 @handle_errors
-def generate(prompt, model, system, chat, as_json, **flags) -> None:
+def generate(prompt, model, system, chat, as_json, profile, **flags) -> None:
     """Generate a reply to PROMPT ('-' reads stdin) with speculative decoding."""
     import json
 
@@ -373,9 +414,11 @@ def generate(prompt, model, system, chat, as_json, **flags) -> None:
                 stats = event.stats
     if as_json:
         click.echo(json.dumps({"text": "".join(text), **json_stats(stats)}, indent=2))
-        return
-    click.echo()
-    click.echo(summary_line(stats), err=True)
+    else:
+        click.echo()
+        click.echo(summary_line(stats), err=True)
+    if profile:
+        click.echo(profile_table(stats.profile_ms, stats.n_verifier_calls), err=True)
 
 
 @main.command()
@@ -475,6 +518,7 @@ def _draft_length(item: str):
     show_default=True,
     help="Folder for bench.json and bench.md.",
 )
+@click.option("--profile", is_flag=True, help="Add where each variant's step time went to bench.md.")
 @handle_errors
 def bench(
     model,
@@ -493,6 +537,7 @@ def bench(
     top_p,
     min_p,
     out,
+    profile,
 ) -> None:
     """Speed, acceptance and fidelity of each method vs plain decoding, interleaved per prompt."""
     import json
@@ -551,6 +596,11 @@ def bench(
         f"c + v), c = {draft_cost_ratio:.2f} (draft/target weight bytes), v = {MEMORY_BOUND_VERIFY_RATIO}.\n"
     )
     table = title + markdown_table(summary) + footer
+    if profile:
+        table += "".join(
+            "\n" + profile_table(s["profile_ms"], s["n_verifier_calls"], f"{label}: ") + "\n"
+            for label, s in summary.items()
+        )
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "bench.md").write_text(table)
@@ -661,6 +711,8 @@ def json_stats(stats) -> dict:
         "draft_ms",
         "verify_ms",
         "overhead_ms",
+        "decode_ms",
+        "profile_ms",
         "kl_mean",
         "kl_total",
         "kl_budget",

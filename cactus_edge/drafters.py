@@ -11,7 +11,6 @@ How many tokens to propose is the :class:`DraftPlanner`'s call: the configured `
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,8 +25,10 @@ from .adaptive import (
     expected_run,
 )
 from .config import MAX_AUTO_DRAFT, GenerationConfig
+from .errors import NonFiniteLogitsError
 from .lookup import lookup_continuation, point_mass_rows
-from .sampling import fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
+from .sampling import ProbRows, fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
+from .stats import StepProfiler
 
 
 @dataclass
@@ -124,6 +125,16 @@ class DraftPlanner:
             probe.tracker.record_probe(paid=next_k > 0)
 
 
+def process_decoded(model, logits: np.ndarray, sampling, row: int | None = None) -> ProbRows:
+    """Process the rows (n, V) a model's last decode returned for its last n cache positions, or
+    only row ``row`` of them; non-finite logits become an error naming the model and position."""
+    try:
+        return process_logits(logits if row is None else logits[row], sampling)
+    except NonFiniteLogitsError as error:
+        index = error.row if row is None else row
+        raise model.non_finite_error(index, model.n_past - len(logits) + index) from None
+
+
 class ModelDrafter:
     """Samples drafts from the draft model with the shared logit processing.
 
@@ -131,10 +142,18 @@ class ModelDrafter:
     processing (never proposed), ids only the target has get probability 0.
     """
 
-    def __init__(self, draft, target_vocab_size: int, config: GenerationConfig, rng, costs: CostModel):
+    def __init__(
+        self,
+        draft,
+        target_vocab_size: int,
+        config: GenerationConfig,
+        rng,
+        costs: CostModel,
+        profile: StepProfiler,
+    ):
         self.draft, self.vocab_size = draft, target_vocab_size
         self.sampling, self.p_min = config.sampling, config.p_min
-        self.rng, self.costs = rng, costs
+        self.rng, self.costs, self.profile = rng, costs, profile
 
     def catch_up_length(self, committed: Sequence[int]) -> int:
         """Committed tokens the draft has not been fed, besides the last one."""
@@ -172,14 +191,18 @@ class ModelDrafter:
             keep = base + n_before + n_followed
             if self.draft.n_past > keep:
                 self.draft.truncate(keep)
+                self.profile.lap("rollback")
             pending, guided = tokens[-1:], []
         return tokens, rows, decode_ms
 
     def _decode(self, pending: list[int], guided: list[int]) -> tuple[np.ndarray, float]:
+        """Logits rows (a view of llama.cpp's buffer, valid until the next draft decode) and the
+        ms inside llama_decode."""
         feed = pending + guided
-        start = time.perf_counter()
-        logits = self.draft.decode(feed, output_rows=range(len(pending) - 1, len(feed)))
-        elapsed = (time.perf_counter() - start) * 1000
+        self.profile.lap("bookkeeping")
+        logits = self.draft.decode(feed, output_rows=range(len(pending) - 1, len(feed)), copy=False)
+        elapsed = self.draft.last_decode_ms
+        self.profile.lap("batch + logits", elapsed, "draft decode")
         self.costs.record_draft(len(feed), elapsed)
         return fit_logits_to_vocab(logits, self.vocab_size), elapsed
 
@@ -193,8 +216,9 @@ class ModelDrafter:
         even under SpS."""
         n_followed = 0
         for index in range(len(guided) + 1):
-            row = widen_row(process_logits(logits[index], self.sampling), self.vocab_size)
+            row = widen_row(process_decoded(self.draft, logits, self.sampling, index), self.vocab_size)
             token = sample_token(row, self.rng)
+            self.profile.lap("draft processing")
             tokens.append(token)
             rows.append(row)
             followed = index < len(guided) and token == guided[index]
@@ -222,18 +246,31 @@ class FallbackDrafter:
     """Chooses the source of each step's drafts for a drafter name ("model", "lookup",
     "model+lookup") and asks the planner how many."""
 
-    def __init__(self, name: str, planner: DraftPlanner, model: ModelDrafter | None, lookup: LookupDrafter):
+    def __init__(
+        self,
+        name: str,
+        planner: DraftPlanner,
+        model: ModelDrafter | None,
+        lookup: LookupDrafter,
+        profile: StepProfiler,
+    ):
         self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
+        self.profile = profile
 
     def propose(self, committed: list[int], room: int) -> Proposal:
         if room == 0:
             return Proposal()
         if self.name in ("lookup", "model+lookup"):
-            proposal = self.lookup.propose(committed, self.planner.plan(room, "lookup"))
+            n_draft = self.planner.plan(room, "lookup")
+            self.profile.lap("planning")
+            proposal = self.lookup.propose(committed, n_draft)
+            self.profile.lap("lookup")
             if proposal.tokens or self.name == "lookup":
                 return proposal
         guess = lookup_continuation(committed, room - 1)
+        self.profile.lap("lookup")
         source = "model/guided" if guess else "model"
         n_catch_up = self.model.catch_up_length(committed)
         n_draft = self.planner.plan(room, source, len(guess), n_catch_up)
+        self.profile.lap("planning")
         return self.model.propose(committed, n_draft, guess, source)

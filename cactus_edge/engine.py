@@ -35,14 +35,14 @@ from .acceptance import KLBudgetRule, output_kl
 from .adaptive import CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
-from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal
+from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .gguf_info import check_pair_compatible, read_gguf
 from .openai_compat import chat_completion
 from .output import Output
 from .prompts import Prompts
-from .sampling import SparseProbs, process_logits, sample_token
-from .stats import GenerationResult, GenerationStats, StepStats, StreamEvent
+from .sampling import SparseProbs, sample_token
+from .stats import GenerationResult, GenerationStats, StepProfiler, StepStats, StreamEvent
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
 
@@ -355,11 +355,14 @@ class _Generation:
         )
         self.output = Output(Detokenizer(self.target), config.stop, self.stats)
         self.planner = DraftPlanner(config, engine.costs, engine.acceptance)
+        self.profile = StepProfiler()
+        self.stats.profile_ms = self.profile.ms
         model = None
         if self.draft is not None:
-            model = ModelDrafter(self.draft, self.target.vocab_size, config, self.rng, engine.costs)
+            vocab_size = self.target.vocab_size
+            model = ModelDrafter(self.draft, vocab_size, config, self.rng, engine.costs, self.profile)
         lookup = LookupDrafter(self.target.vocab_size)
-        self.drafter = FallbackDrafter(config.drafter, self.planner, model, lookup)
+        self.drafter = FallbackDrafter(config.drafter, self.planner, model, lookup, self.profile)
 
     def models(self) -> list[LlamaModel]:
         return [m for m in (self.target, self.draft) if m is not None]
@@ -431,27 +434,19 @@ class _Generation:
     def step(self) -> tuple[list[int], list[bool]]:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
         step_start = time.perf_counter()
+        self.profile.start()
         proposal = self.drafter.propose(self.committed, self.draft_room())
         target_rows, verify_ms = self.verify(proposal)
         emitted, n_accepted, acceptance_probs, kl = self.decide(proposal, target_rows)
         self.planner.learn(proposal, acceptance_probs, emitted[0])
+        self.profile.lap("planning")
         self.commit(emitted, n_accepted)
+        self.profile.lap("rollback")
         total_ms = (time.perf_counter() - step_start) * 1000
-        n_draft = len(proposal.tokens)
-        step = StepStats(
-            n_draft,
-            n_accepted,
-            proposal.draft_ms,
-            verify_ms,
-            total_ms,
-            kl,
-            proposal.label,
-            len(acceptance_probs),
-        )
-        self.stats.draft_ms += proposal.draft_ms
-        self.stats.verify_ms += verify_ms
-        self.stats.decode_ms += total_ms
-        self.stats.record(step)
+        n_draft, n_decided = len(proposal.tokens), len(acceptance_probs)
+        fields = (n_draft, n_accepted, proposal.draft_ms, verify_ms, total_ms, kl, proposal.label, n_decided)
+        self.stats.record(StepStats(*fields))
+        self.profile.lap("bookkeeping")
         return emitted, [True] * n_accepted + [False]
 
     def verify(self, proposal: Proposal):
@@ -459,20 +454,28 @@ class _Generation:
         k + 1 positions that score the drafts and the bonus."""
         n_draft = len(proposal.tokens)
         feed = self.committed[self.target.n_past :] + proposal.tokens
-        start = time.perf_counter()
-        logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)))
-        verify_ms = (time.perf_counter() - start) * 1000
+        self.profile.lap("bookkeeping")
+        # A view of llama.cpp's buffer: processed (and checked) before the next target decode.
+        logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)), copy=False)
+        verify_ms = self.target.last_decode_ms
+        self.profile.lap("batch + logits", verify_ms, "verify decode")
         self.engine.costs.record_verify(len(feed), verify_ms)
-        return process_logits(logits, self.sampling), verify_ms
+        target_rows = process_decoded(self.target, logits, self.sampling)
+        self.profile.lap("target processing")
+        return target_rows, verify_ms
 
     def decide(self, proposal: Proposal, target_rows):
         """(emitted tokens, n_accepted, the rule's acceptance probabilities, mean KL or None)."""
         if not proposal.tokens:
-            return [sample_token(target_rows[0], self.rng)], 0, (), None
+            token = sample_token(target_rows[0], self.rng)
+            self.profile.lap("acceptance")
+            return [token], 0, (), None
         verdict = self.rule.verify(np.array(proposal.tokens), proposal.rows, target_rows, self.rng)
+        self.profile.lap("acceptance")
         n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
         emitted = [*proposal.tokens[:n_accepted], verdict.next_token]
         kl = _step_kl(self.rule, proposal.rows, target_rows, n_decided)
+        self.profile.lap("kl")
         return emitted, n_accepted, verdict.acceptance_probs, kl
 
     def commit(self, emitted: list[int], n_accepted: int) -> None:

@@ -48,6 +48,19 @@ class ModelNotFetchedError(CactusEdgeError):
     exit_code = 2
 
 
+class LocalRegistryError(CactusEdgeError):
+    """The models directory's local registry (models made by `models quantize`) cannot be read, or
+    names a model or pair that the packaged registry already has."""
+
+    exit_code = 2
+
+
+class NameTakenError(CactusEdgeError):
+    """A name, or file, chosen for a new local model or pair that something else already uses."""
+
+    exit_code = 2
+
+
 class InvalidModelFileError(CactusEdgeError):
     """A file that is not a GGUF model, or a truncated or corrupt one."""
 
@@ -90,7 +103,12 @@ class BackendError(CactusEdgeError):
 
 class NonFiniteLogitsError(BackendError):
     """llama.cpp returned NaN or infinite logits (a broken model file or backend); the message
-    names the model and the row."""
+    names the model and the row. ``row`` is the output row (found while processing logits, which
+    is where a NaN is seen anyway; the engine then names the model and cache position)."""
+
+    def __init__(self, message: str, row: int | None = None) -> None:
+        super().__init__(message)
+        self.row = row
 
 
 class EngineBusy(CactusEdgeError):

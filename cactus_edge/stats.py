@@ -3,6 +3,7 @@ and the OpenAI-shaped layer read them without loading a model library)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 
@@ -18,6 +19,43 @@ class StepStats:
     kl: float | None = None  # mean KL(out ‖ target) over the positions decided this step
     drafter: str = "model"  # what proposed this block: "model", "lookup" or "none" (k = 0)
     n_decided: int = 0  # draft positions the rule judged (accepted ones + the first rejection)
+
+
+# Where a step's time goes (``--profile``): the two decodes, and host work by kind.
+PROFILE_PARTS = (
+    "draft decode",  # inside llama_decode, draft model
+    "verify decode",  # inside llama_decode, target model
+    "batch + logits",  # filling llama_batch, reaching the logits (no copy on the hot path)
+    "draft processing",  # draft rows: top-k/top-p/softmax and sampling
+    "target processing",  # target rows: the same
+    "acceptance",  # the rule's verify
+    "kl",  # the exact per-step KL of lossy rules
+    "lookup",  # prompt n-gram search
+    "planning",  # draft length choice and what auto learns
+    "rollback",  # cutting rejected drafts from the caches
+    "bookkeeping",  # everything else inside the step
+)
+
+
+class StepProfiler:
+    """A lap timer over one step: each :meth:`lap` charges the time since the previous lap to a
+    part, minus the llama_decode time it is told about, which goes to its decode part."""
+
+    def __init__(self) -> None:
+        self.ms = dict.fromkeys(PROFILE_PARTS, 0.0)
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def lap(self, part: str, decode_ms: float = 0.0, decode_part: str = "") -> None:
+        now = time.perf_counter()
+        elapsed = (now - self._last) * 1000
+        self._last = now
+        if decode_part:
+            self.ms[decode_part] += decode_ms
+            elapsed -= decode_ms
+        self.ms[part] += elapsed
 
 
 @dataclass
@@ -51,6 +89,7 @@ class GenerationStats:
     kl_budget: float | None = None
     finish_reason: str | None = None
     steps: list[StepStats] = field(default_factory=list)
+    profile_ms: dict[str, float] = field(default_factory=dict)  # ms per PROFILE_PARTS entry
 
     @property
     def acceptance_length(self) -> float:
@@ -86,6 +125,9 @@ class GenerationStats:
 
     def record(self, step: StepStats) -> None:
         self.steps.append(step)
+        self.draft_ms += step.draft_ms
+        self.verify_ms += step.verify_ms
+        self.decode_ms += step.total_ms
         self.n_verifier_calls += 1
         self.n_drafted += step.n_draft
         self.n_accepted += step.n_accepted
@@ -143,6 +185,20 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+
+
+def profile_table(profile_ms: dict[str, float], n_steps: int, title: str = "") -> str:
+    """Where a step's time went (``--profile``): ms per step for each part, its share of the
+    step, and the host total (everything outside the two llama_decode parts)."""
+    n_steps = max(n_steps, 1)
+    total = sum(profile_ms.values()) or 1.0
+    host = total - profile_ms.get("draft decode", 0.0) - profile_ms.get("verify decode", 0.0)
+    lines = [f"{title}per step, {n_steps} steps | ms | share", "|---|---|---|"]
+    for part in PROFILE_PARTS:
+        ms = profile_ms.get(part, 0.0)
+        lines.append(f"| {part} | {ms / n_steps:.3f} | {100 * ms / total:.1f}% |")
+    lines.append(f"| **host total** | **{host / n_steps:.3f}** | **{100 * host / total:.1f}%** |")
+    return "\n".join(lines)
 
 
 def _clean(value: float, digits: int = 4) -> str:

@@ -373,3 +373,25 @@ def test_property_valid_inputs_give_valid_verdicts_and_distributions(block):
         out = to_dense(output_distribution(rule, draft_row, target_row))
         assert np.all(out >= 0)
         assert math.isclose(out.sum(), 1.0, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [Cactus(0.5), Cactus(1.0), Cactus(3.0), TypicalAcceptance(), TypicalAcceptance(0.3, 0.1)],
+    ids=repr,
+)
+def test_vectorized_output_kl_equals_the_per_token_oracle(rule):
+    # output_kl's matrix form (used per step by the engine and the KL budget) against the oracle
+    # loop of output_distribution, on sparse rows like the engine's: top-k, top-p, partial overlap.
+    from cactus_edge.sampling import SamplingConfig, process_logits
+
+    rng = np.random.default_rng(7)
+    for _ in range(150):
+        logits = rng.standard_normal((2, 500)).astype(np.float32) * rng.uniform(0.5, 4)
+        logits[1] = logits[0] + rng.standard_normal(500).astype(np.float32) * rng.uniform(0, 2)
+        config = SamplingConfig(
+            temperature=rng.uniform(0.3, 1.5), top_k=int(rng.integers(1, 40)), top_p=rng.uniform(0.5, 1.0)
+        )
+        draft_probs, target_probs = process_logits(logits, config)
+        oracle = kl_divergence(output_distribution(rule, draft_probs, target_probs), target_probs)
+        assert output_kl(rule, draft_probs, target_probs) == pytest.approx(oracle, abs=1e-12)

@@ -44,6 +44,26 @@ def test_requested_rows_equal_one_token_at_a_time(draft):
     assert draft.n_past == len(tokens)
 
 
+@pytest.mark.parametrize("n_rows", [1, 5])
+def test_logits_without_copy_are_a_read_only_view_of_the_same_rows(draft, n_rows):
+    # The engine's hot path reads llama.cpp's output buffer in place.
+    prompt = draft.tokenize("the water is hot and")
+    block = [300, 301, 302, 303, 304][:n_rows]
+    draft.reset()
+    draft.decode(prompt, output_rows=())
+    copied = draft.decode(block, output_rows=range(n_rows))
+    draft.reset()
+    draft.decode(prompt, output_rows=())
+    view = draft.decode(block, output_rows=range(n_rows), copy=False)
+    assert not view.flags.owndata and not view.flags.writeable
+    np.testing.assert_array_equal(view, copied)
+    # Rows that are not consecutive (or a chunked decode's early rows) still come back, copied.
+    draft.reset()
+    scattered = draft.decode([*prompt, *block], output_rows=[0, -1], copy=False)
+    assert scattered.flags.owndata
+    np.testing.assert_allclose(scattered[1], copied[-1], atol=LOGIT_ATOL)  # other batch shapes
+
+
 def test_truncate_and_redecode_equals_a_fresh_run(draft):
     draft.reset()
     prompt = draft.tokenize("the water is hot and")

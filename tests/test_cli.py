@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from cactus_edge.cli import main
+from cactus_edge.stats import PROFILE_PARTS
 
 
 @pytest.fixture
@@ -153,3 +154,20 @@ def test_generate_prints_no_kl_for_a_lossless_method(runner, tiny_pair):
     assert result.exit_code == 0
     summary = result.stderr.strip().splitlines()[-1]
     assert summary.startswith("[sps] ") and "KL" not in summary
+
+
+def test_generate_profile_accounts_for_every_millisecond_of_the_steps(runner, tiny_pair):
+    args = ["generate", "the water is", *pair_args(tiny_pair), "--raw", "--max-tokens", "24"]
+    result = runner.invoke(main, [*args, "--method", "cactus", "--n-draft", "3", "--profile", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    profile = data["profile_ms"]
+    assert set(profile) == set(PROFILE_PARTS)
+    # The parts are laps of one timer: together they are the steps' time, decodes included.
+    assert sum(profile.values()) == pytest.approx(data["decode_ms"], rel=0.02, abs=0.5)
+    assert profile["verify decode"] == pytest.approx(data["verify_ms"])
+    assert profile["draft decode"] == pytest.approx(data["draft_ms"])
+    assert min(profile["target processing"], profile["draft processing"], profile["kl"]) > 0
+    table = result.stderr.splitlines()
+    assert any(line.startswith("| target processing | ") for line in table)
+    assert any(line.startswith("| **host total** | ") for line in table)

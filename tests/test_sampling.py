@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
+from cactus_edge.errors import NonFiniteLogitsError
 from cactus_edge.sampling import (
     SamplingConfig,
     SparseProbs,
@@ -11,6 +12,7 @@ from cactus_edge.sampling import (
     row_prob,
     sample_token,
     to_dense,
+    top_k_logits,
 )
 
 
@@ -90,6 +92,40 @@ def test_top_k_with_peaked_and_tied_logits_is_exact():
         probs = process_logits(logits, SamplingConfig(temperature=1.0, top_k=20, top_p=1.0))
         expected = np.sort(logits)[-20:]
         np.testing.assert_array_equal(np.sort(logits[probs.token_ids]), expected)
+
+
+@pytest.mark.parametrize("vocab_size", [151_936, 151_936 + 37, 50_000])
+def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
+    # The top values all in one interleaved group, in the ids past the last whole group, spread
+    # out, and tied: each must come back exactly (as a set of values).
+    rng = np.random.default_rng(vocab_size)
+    n_groups = vocab_size // 64
+    rows = rng.standard_normal((5, vocab_size)).astype(np.float32)
+    rows[0, 7 + n_groups * np.arange(30)] = 50 + np.arange(30)  # one group holds them all
+    rows[1, -37:] = 60.0 + np.arange(37)  # the tail (or the end of the last group)
+    rows[2, rng.choice(vocab_size, 25, replace=False)] = 40.0
+    rows[3] = 0.0  # everything tied
+    for n_keep in (1, 20, 50):
+        ids, values = top_k_logits(rows, n_keep)
+        assert ids.shape == values.shape == (5, n_keep)
+        for row, row_ids, row_values in zip(rows, ids, values, strict=True):
+            assert len(set(row_ids.tolist())) == n_keep
+            np.testing.assert_array_equal(row[row_ids], row_values)
+            np.testing.assert_array_equal(np.sort(row_values), np.sort(row)[-n_keep:])
+
+
+@pytest.mark.parametrize("where", [0, 12_345, 151_935])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("config", CONFIGS, ids=repr)
+def test_a_single_non_finite_logit_is_caught_on_every_path(config, bad, where):
+    logits = np.random.default_rng(where).standard_normal((3, 151_936)).astype(np.float32)
+    logits[1, where] = bad
+    with pytest.raises(NonFiniteLogitsError) as caught:
+        process_logits(logits, config)
+    assert caught.value.row == 1
+    dead = np.full((1, 151_936), -np.inf, dtype=np.float32)  # no finite logit at all
+    with pytest.raises(NonFiniteLogitsError):
+        process_logits(dead, config)
 
 
 @pytest.mark.parametrize(
