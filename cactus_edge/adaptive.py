@@ -54,6 +54,14 @@ def choose_draft_length(
     return best_k
 
 
+def best_probe_length(draft_ms, verify_ms, max_draft: int) -> int:
+    """The draft length (1..max_draft) whose block, if fully accepted, yields the most tokens per
+    millisecond: where a probe has the best chance to show that drafting pays. Batch costs are not
+    linear on CPUs (Q4_0's repacked kernels make 4 tokens cheaper than 3), so this is often not
+    the shortest block. Ties go to the shorter one."""
+    return max(range(1, max(max_draft, 1) + 1), key=lambda k: (k + 1) / (draft_ms(k) + verify_ms(k + 1)))
+
+
 def could_pay(n_draft: int, draft_ms, verify_ms, margin: float = 0.0) -> bool:
     """Whether drafting n_draft tokens could beat plain decoding if every draft were accepted.
     When not, a probe cannot show that speculation pays, so it is not worth its cost."""
@@ -97,12 +105,20 @@ class BatchCosts:
         return max(slope * n_tokens + intercept, 1e-3)
 
 
+# Batch sizes whose cost `auto` measures before its first choice (verify: k + 1 for k ≤ 8; draft:
+# single tokens and the short batches of a lookup-guided draft). Larger sizes come from a line.
+CALIBRATION_VERIFY_SIZES = tuple(range(1, 10))
+CALIBRATION_DRAFT_SIZES = (1, 2, 3, 4, 5)
+
+
 @dataclass
 class CostModel:
-    """What decoding costs on this machine, per engine: draft and target batches by size."""
+    """What decoding costs on this machine, per engine: draft and target batches by size.
+    ``calibrated``: which models ("target", "draft") had the sizes above measured up front."""
 
     draft: BatchCosts = field(default_factory=BatchCosts)
     verify: BatchCosts = field(default_factory=BatchCosts)
+    calibrated: set[str] = field(default_factory=set)
 
     def record_draft(self, n_tokens: int, ms: float) -> None:
         self.draft.record(n_tokens, ms)

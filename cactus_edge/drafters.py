@@ -20,6 +20,7 @@ from .adaptive import (
     SPECULATION_MARGIN,
     AcceptanceTracker,
     CostModel,
+    best_probe_length,
     choose_draft_length,
     could_pay,
     expected_run,
@@ -97,11 +98,12 @@ class DraftPlanner:
         run = expected_run(tracker.rates[0])
         draft_ms = self.draft_cost(source, n_guided, n_catch_up, run)
         k = choose_draft_length(tracker.rates, draft_ms, self.costs.verify_ms, room, SPECULATION_MARGIN)
-        probe_k = min(room, max(k + 1, 2))
-        probe_ms = self.draft_cost(source, n_guided, n_catch_up, run_tokens=0.0)
-        if tracker.should_probe() and could_pay(probe_k, probe_ms, self.costs.verify_ms, SPECULATION_MARGIN):
-            self.probe = Probe(tracker, draft_ms, room)
-            k = probe_k
+        if tracker.should_probe():
+            probe_ms = self.draft_cost(source, n_guided, n_catch_up, run_tokens=0.0)
+            probe_k = min(room, max(k + 1, best_probe_length(probe_ms, self.costs.verify_ms, room)))
+            if could_pay(probe_k, probe_ms, self.costs.verify_ms, SPECULATION_MARGIN):
+                self.probe = Probe(tracker, draft_ms, room)
+                k = probe_k
         return k
 
     def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):

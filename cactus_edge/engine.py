@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import KLBudgetRule, output_kl
-from .adaptive import CostModel
+from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
 from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal, process_decoded
@@ -389,6 +389,8 @@ class _Generation:
             missing = self.committed[keep:-1]
             if missing:
                 model.decode(missing, output_rows=())
+        if self.config.auto and self.rule is not None:
+            calibrate(self.engine.costs, self.target, self.draft, self.committed[-1])
         self.stats.prefill_ms = (time.perf_counter() - start) * 1000
 
     def decode_loop(self):
@@ -485,6 +487,28 @@ class _Generation:
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
+
+
+def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, filler: int) -> None:
+    """Measure what `auto` needs before its first choice, once per cost model and model: the
+    target's llama_decode time for each verify batch size and the draft's for short batches, by
+    decodes of ``filler`` at the end of the cache that are cut right after. Learning only the
+    sizes it happens to use, `auto` missed cheap ones (on Q4_0, 4 tokens cost less than 3). Sizes
+    that do not fit the context are skipped; real steps keep refining every size."""
+    for role, model, sizes, record in (
+        ("target", target, CALIBRATION_VERIFY_SIZES, costs.record_verify),
+        ("draft", draft, CALIBRATION_DRAFT_SIZES, costs.record_draft),
+    ):
+        if model is None or role in costs.calibrated:
+            continue
+        costs.calibrated.add(role)
+        n_past = model.n_past
+        for n_tokens in (n for n in sizes if n_past + n <= model.n_ctx):
+            try:
+                model.decode([filler] * n_tokens, output_rows=range(n_tokens))
+                record(n_tokens, model.last_decode_ms)
+            finally:
+                model.truncate(n_past)
 
 
 def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | None:

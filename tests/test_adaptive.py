@@ -4,13 +4,17 @@ import numpy as np
 import pytest
 
 from cactus_edge.adaptive import (
+    MIN_PROBE_INTERVAL,
     AcceptanceTracker,
     CostModel,
+    best_probe_length,
     choose_draft_length,
     could_pay,
     expected_run,
     expected_tokens,
 )
+from cactus_edge.config import GenerationConfig
+from cactus_edge.drafters import DraftPlanner
 from cactus_edge.lookup import lookup_continuation, point_mass_rows
 
 
@@ -192,3 +196,28 @@ def test_a_long_expected_copy_lets_drafting_resume_behind():
     prose = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, 30, 4, expected_run(0.7)), verify, 4)
     copy = choose_draft_length(rates, lambda k: costs.model_draft_ms(k, 30, 4, expected_run(0.98)), verify, 4)
     assert prose == 0 and copy > 0
+
+
+# Measured on a 2-core AMD EPYC (scripts/batch_costs.py): the Q4_0 target verifies 4 or 5 tokens in
+# about the time of 3, and the Q4_0 draft decodes one token in 33 ms.
+Q4_0_VERIFY = {1: 84.3, 2: 131.2, 3: 188.2, 4: 167.8, 5: 189.2, 6: 290.0, 7: 350.0, 8: 398.6, 9: 435.1}
+
+
+def test_a_probe_tries_the_cheapest_block_per_token_not_the_shortest():
+    draft = lambda k: 33.0 * k  # noqa: E731
+    assert best_probe_length(draft, Q4_0_VERIFY.__getitem__, 8) == 4  # a 5-token batch, 189 ms
+    linear = lambda n: 80.0 + 10.0 * n  # noqa: E731
+    assert best_probe_length(lambda k: 5.0 * k, linear, 8) == 8  # nearly free drafts: the longest
+    assert best_probe_length(lambda k: 500.0 * k, linear, 8) == 1  # costly drafts: the shortest
+
+
+def test_the_planner_probes_at_the_cheap_batch_size():
+    costs = CostModel()
+    for n_tokens, ms in Q4_0_VERIFY.items():
+        costs.record_verify(n_tokens, ms)
+    costs.record_draft(1, 33.0)
+    planner = DraftPlanner(GenerationConfig(n_draft="auto"), costs, {})
+    chosen = [planner.plan(8, "model") for _ in range(MIN_PROBE_INTERVAL)]
+    # The prior acceptance makes drafting lose here, so k = 0 until the probe is due, which
+    # drafts 4 (a 5-token verify batch, 189 ms), not max(k + 1, 2) = 2 (a 3-token batch, 188 ms).
+    assert chosen[:-1] == [0] * (MIN_PROBE_INTERVAL - 1) and chosen[-1] == 4

@@ -411,3 +411,22 @@ def test_guided_drafts_follow_the_draft_models_joint_distribution(engine):
     assert counts[~cells].sum() == 0
     assert counts[guess[0]].sum() > n_runs * 0.2  # the guided path was really taken
     assert scipy_stats.chisquare(counts[cells], joint[cells] * n_runs).pvalue > 1e-3
+
+
+def test_auto_measures_every_verify_size_once_and_leaves_the_caches_clean(engine):
+    engine.reset_estimates()
+    config = GenerationConfig(method="sps", n_draft="auto", max_tokens=20, seed=3)
+    first = engine.generate(PROMPT, config)
+    prompt_tokens = engine.tokenize_prompt(PROMPT)
+    assert engine.check_caches(prompt_tokens + first.tokens) == []
+    assert set(engine.costs.verify.by_size) >= set(range(1, 10))
+    assert set(engine.costs.draft.by_size) >= {1, 2, 3, 4, 5}
+    assert engine.costs.calibrated == {"target", "draft"}
+    measured = dict(engine.costs.verify.by_size)
+    later = [engine.generate(PROMPT, config) for _ in range(2)]  # no second calibration:
+    used = {step.n_draft + 1 for result in later for step in result.stats.steps}
+    unused = set(measured) - used  # sizes no step used keep their calibrated values
+    assert unused and all(engine.costs.verify.by_size[n] == measured[n] for n in unused)
+    engine.reset_estimates()
+    engine.generate(PROMPT, GenerationConfig(method="sps", n_draft=3, max_tokens=8, seed=3))
+    assert not engine.costs.calibrated  # a fixed draft length needs no cost table
