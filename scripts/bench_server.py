@@ -53,7 +53,7 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}: {process.stderr.read()}")
+            raise SystemExit(f"server exited with {process.returncode}: {_log_tail(process)}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                 return
@@ -63,13 +63,28 @@ def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> Non
     raise SystemExit(f"{url} did not become ready within {timeout} s")
 
 
+def _popen(command: list[str], stdout, name: str) -> subprocess.Popen:
+    """Start a server with its stderr in a file: an undrained pipe fills up (llama.cpp logs a
+    lot) and blocks the server mid-benchmark."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix=f"bench-server-{name}-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(command, stdout=stdout, stderr=log, text=True)  # the child keeps its fd
+    process.log_path = log.name
+    return process
+
+
+def _log_tail(process: subprocess.Popen, n_chars: int = 2000) -> str:
+    return Path(process.log_path).read_text()[-n_chars:]
+
+
 def start_ours(args) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "cactus_edge.cli", "serve", "--port", "0", "--json"]
     command += ["--n-ctx", str(args.n_ctx), "--method", args.method, "--n-draft", args.n_draft]
     command += ["--draft", args.draft, "--target", args.target] if args.target else ["--pair", args.pair]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = _popen(command, subprocess.PIPE, "cactus-edge")
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     try:
@@ -86,7 +101,7 @@ def start_theirs(args, target_path: str) -> tuple[subprocess.Popen, str]:
     command += ["--port", str(port), "--n_ctx", str(args.n_ctx)]
     if args.threads:
         command += ["--n_threads", str(args.threads)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = _popen(command, subprocess.DEVNULL, "llama_cpp")
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, process)
     return process, url
