@@ -74,10 +74,6 @@ class DraftPlanner:
     def __init__(self, config: GenerationConfig, costs: CostModel, trackers: dict) -> None:
         self.config, self.costs, self.trackers = config, costs, trackers
         self.probe: Probe | None = None
-        # Sources not yet planned in this generation: their first step is a probe. The draft is in
-        # sync right after the prefill, so that is the cheapest moment to test a new text; later,
-        # k = 0 steps leave the draft behind and a probe must pay for the catch-up too.
-        self.unprobed = {"lookup", "model", "model/guided"}
 
     def tracker(self, source: str) -> AcceptanceTracker:
         key = (source, self.config.method, self.config.delta)
@@ -102,11 +98,7 @@ class DraftPlanner:
         run = expected_run(tracker.rates[0])
         draft_ms = self.draft_cost(source, n_guided, n_catch_up, run)
         k = choose_draft_length(tracker.rates, draft_ms, self.costs.verify_ms, room, SPECULATION_MARGIN)
-        due = tracker.should_probe()
-        if source in self.unprobed:
-            due = True
-            self.unprobed.discard(source)
-        if due:
+        if tracker.should_probe():
             probe_ms = self.draft_cost(source, n_guided, n_catch_up, run_tokens=0.0)
             probe_k = min(room, max(k + 1, best_probe_length(probe_ms, self.costs.verify_ms, room)))
             if could_pay(probe_k, probe_ms, self.costs.verify_ms, SPECULATION_MARGIN):

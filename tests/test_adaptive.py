@@ -218,9 +218,6 @@ def test_the_planner_probes_at_the_cheap_batch_size():
     costs.record_draft(1, 33.0)
     planner = DraftPlanner(GenerationConfig(n_draft="auto"), costs, {})
     chosen = [planner.plan(8, "model") for _ in range(MIN_PROBE_INTERVAL)]
-    # A generation's first step is a probe (the draft is in sync, so it is cheap); then the prior
-    # acceptance makes drafting lose here, so k = 0 until the next probe is due. Probes draft 4 (a
-    # 5-token verify batch, 189 ms), not max(k + 1, 2) = 2 (a 3-token batch, 188 ms).
-    assert chosen == [4] + [0] * (MIN_PROBE_INTERVAL - 2) + [4]
-    # The next generation (a new planner, the same trackers) starts with a probe again.
-    assert DraftPlanner(GenerationConfig(n_draft="auto"), costs, planner.trackers).plan(8, "model") == 4
+    # The prior acceptance makes drafting lose here, so k = 0 until the probe is due, which
+    # drafts 4 (a 5-token verify batch, 189 ms), not max(k + 1, 2) = 2 (a 3-token batch, 188 ms).
+    assert chosen[:-1] == [0] * (MIN_PROBE_INTERVAL - 1) and chosen[-1] == 4
