@@ -7,6 +7,7 @@ prompt keeps ratios to plain decoding honest on a noisy machine: a slow minute h
 from __future__ import annotations
 
 import json
+import platform
 import resource
 import statistics
 import sys
@@ -274,6 +275,18 @@ def markdown_table(summary: dict[str, dict]) -> str:
             f"{projected} |"
         )
     return header + "\n".join(lines) + "\n"
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name ("AMD EPYC", "Apple M2"...), for every benchmark's header."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def peak_rss_mb() -> float:

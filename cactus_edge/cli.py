@@ -545,6 +545,7 @@ def bench(
 
     from .bench import (
         MEMORY_BOUND_VERIFY_RATIO,
+        cpu_model_name,
         load_prompts,
         make_variants,
         markdown_table,
@@ -585,8 +586,8 @@ def bench(
     project_memory_bound(summary, draft_cost_ratio)
     title = (
         f"{model.pair or 'custom'} pair · {len(prompts)} prompts · temperature {temperature}, top-p {top_p}, "
-        f"top-k {top_k} · {max_tokens} tokens · {platform.machine()} {platform.system()}, "
-        f"{model.threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
+        f"top-k {top_k} · {max_tokens} tokens · {cpu_model_name()}, {platform.machine()} "
+        f"{platform.system()}, {model.threads or 'auto'} threads · peak RSS {peak_rss_mb():.0f} MB\n\n"
     )
     curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in costs["verify_ms"].items())
     draft_ms = f"{costs['draft_ms']:.0f} ms" if costs["draft_ms"] is not None else "no draft model"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 from cactus_edge.backend import LlamaModel, physical_cores
+from cactus_edge.bench import cpu_model_name
 from cactus_edge.errors import CactusEdgeError
 from cactus_edge.gguf_info import read_gguf
 from cactus_edge.registry import resolve_model_path
@@ -43,17 +43,6 @@ CONTEXT_TEXT = (
     "            j += 1\n"
     "    return merged + left[i:] + right[j:]\n\n"
 )
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def text_tokens(model: LlamaModel, n_tokens: int) -> list[int]:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from pathlib import Path
 
 import numpy as np
 
 from cactus_edge.backend import LlamaModel
-from cactus_edge.bench import load_prompts, per_category
+from cactus_edge.bench import cpu_model_name, load_prompts, per_category
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.errors import CactusEdgeError
@@ -34,17 +33,6 @@ from cactus_edge.gguf_info import read_gguf
 from cactus_edge.registry import resolve_model_path
 
 ROWS_PER_CHUNK = 64  # float64 work on at most this many logit rows at a time
-
-
-def cpu_model_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def describe_file(path: Path) -> str:
