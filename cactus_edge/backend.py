@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import BackendError, ContextLengthError, NonFiniteLogitsError, UnsupportedModelError
 from .gguf_info import GGUFInfo, read_gguf
+from .sampling import first_non_finite_row
 
 logger = logging.getLogger("cactus_edge.llama")
 
@@ -304,7 +305,8 @@ class LlamaModel:
             chunk = tokens[start : start + self.n_batch]
             chunk_rows = {row - start: i for i, row in enumerate(wanted) if start <= row < start + len(chunk)}
             self._decode_chunk(chunk, chunk_rows)
-            logits[list(chunk_rows.values())] = self._copy_rows(chunk_rows)
+            for batch_index, out_index in chunk_rows.items():
+                logits[out_index] = self._rows_at(self._row_pointer(batch_index), 1)[0]
         self._check_finite(logits, [self.n_past - n_new + row for row in wanted])
         return logits
 
@@ -313,7 +315,9 @@ class LlamaModel:
             self._decode_chunk(tokens[start : start + self.n_batch], ())
         self._decode_chunk(tokens[last_start:], last_rows)
         view = self._output_view(last_rows[0], len(last_rows))
-        return view if view is not None else self._copy_rows(last_rows)
+        if view is not None:
+            return view
+        return np.concatenate([self._rows_at(self._row_pointer(row), 1) for row in last_rows])
 
     def _row_pointer(self, batch_index: int) -> int:
         pointer = llama_cpp.llama_get_logits_ith(self._ctx, batch_index)
@@ -328,26 +332,22 @@ class LlamaModel:
         row_bytes = self.vocab_size * 4
         if n_rows > 1 and self._row_pointer(first + n_rows - 1) != address + (n_rows - 1) * row_bytes:
             return None
-        buffer = (ctypes.c_float * (n_rows * self.vocab_size)).from_address(address)
-        view = np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self.vocab_size)
+        view = self._rows_at(address, n_rows)
         view.flags.writeable = False
         return view
 
-    def _copy_rows(self, batch_rows) -> np.ndarray:
-        """Copies of the given rows of the last batch, shape (len(batch_rows), V)."""
-        rows = np.empty((len(batch_rows), self.vocab_size), dtype=np.float32)
-        for i, batch_index in enumerate(batch_rows):
-            buffer = (ctypes.c_float * self.vocab_size).from_address(self._row_pointer(batch_index))
-            rows[i] = np.frombuffer(buffer, dtype=np.float32)
-        return rows
+    def _rows_at(self, address: int, n_rows: int) -> np.ndarray:
+        """A view (n_rows, V) of float32 logits at ``address`` in llama.cpp's output buffer."""
+        buffer = (ctypes.c_float * (n_rows * self.vocab_size)).from_address(address)
+        return np.frombuffer(buffer, dtype=np.float32).reshape(n_rows, self.vocab_size)
 
     def _check_finite(self, logits: np.ndarray, positions: list[int]) -> None:
         """A NaN anywhere makes the row's max NaN, +inf makes it inf; a row of -inf is dead too."""
         if not logits.size:
             return
-        bad = np.flatnonzero(~np.isfinite(logits.max(axis=1)))
-        if bad.size:
-            raise self.non_finite_error(int(bad[0]), positions[int(bad[0])])
+        row = first_non_finite_row(logits.max(axis=1))
+        if row is not None:
+            raise self.non_finite_error(row, positions[row])
 
     def non_finite_error(self, row: int, position: int) -> NonFiniteLogitsError:
         """The error for non-finite logits in output ``row`` at cache ``position``."""

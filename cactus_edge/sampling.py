@@ -30,6 +30,7 @@ __all__ = [
     "fit_logits_to_vocab",
     "widen_row",
     "top_k_logits",
+    "first_non_finite_row",
 ]
 
 
@@ -261,11 +262,17 @@ def _group_offsets(n_groups: int) -> np.ndarray:
     return _offsets[key]
 
 
-def _check_finite(row_maxima: np.ndarray) -> None:
-    """A row whose largest logit is not finite holds a NaN, +inf, or nothing but -inf."""
+def first_non_finite_row(row_maxima: np.ndarray) -> int | None:
+    """The first row whose largest logit is not finite (it holds a NaN, +inf, or nothing but
+    -inf), or None. row_maxima: shape (n,)."""
     bad = np.flatnonzero(~np.isfinite(row_maxima))
-    if bad.size:
-        row = int(bad[0])
+    return int(bad[0]) if bad.size else None
+
+
+def _check_finite(row_maxima: np.ndarray, first_row: int = 0) -> None:
+    row = first_non_finite_row(row_maxima)
+    if row is not None:
+        row += first_row
         raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {row}", row=row)
 
 
@@ -283,8 +290,7 @@ def _softmax_row(logits: np.ndarray, temperature: float, row_index: int = 0) -> 
     ~1e-7), the sum and the result in float64."""
     scaled = np.asarray(logits, dtype=np.float32) * np.float32(1.0 / temperature)
     top = scaled.max()
-    if not np.isfinite(top):
-        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {row_index}", row=row_index)
+    _check_finite(np.array([top]), first_row=row_index)
     scaled -= top
     np.exp(scaled, out=scaled)
     probs = scaled.astype(np.float64)
