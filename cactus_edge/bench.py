@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .adaptive import CostModel
-from .config import DEFAULT_POSTERIOR_THRESHOLD, GenerationConfig
+from .config import DEFAULT_POSTERIOR_THRESHOLD, LOSSLESS_METHODS, GenerationConfig
 from .errors import InvalidSettingError
 from .stats import PROFILE_PARTS
 
@@ -34,6 +34,7 @@ class Variant:
     n_draft: int | str = "auto"
     drafter: str = "model"
     posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # typical acceptance only
+    kl_budget: float | None = None  # nats per response; lossy rules only, None = no budget
 
     def config(self, seed: int, **settings) -> GenerationConfig:
         """The generation settings of this variant for one prompt."""
@@ -43,6 +44,7 @@ class Variant:
             n_draft=self.n_draft,
             drafter=self.drafter,
             posterior_threshold=self.posterior_threshold,
+            kl_budget=self.kl_budget,
             seed=seed,
             **settings,
         )
@@ -55,7 +57,8 @@ class Variant:
         if self.method == "tas" and self.posterior_threshold != DEFAULT_POSTERIOR_THRESHOLD:
             name = f"tas τ={self.posterior_threshold:g}"
         drafter = "" if self.drafter == "model" else f" [{self.drafter}]"
-        return f"{name} k={self.n_draft}{drafter}"
+        budget = "" if self.kl_budget is None else f" budget {self.kl_budget:g}"
+        return f"{name} k={self.n_draft}{drafter}{budget}"
 
 
 def make_variants(
@@ -64,9 +67,10 @@ def make_variants(
     n_drafts: Sequence[int | str],
     drafters: Sequence[str],
     tas_thresholds: Sequence[float] = (DEFAULT_POSTERIOR_THRESHOLD,),
+    kl_budgets: Sequence[float | None] = (None,),
 ) -> list[Variant]:
     """`none` once (the baseline), then every other method × draft length × drafter (× delta for
-    cactus, × posterior threshold for tas)."""
+    cactus, × posterior threshold for tas, × KL budget for the lossy rules)."""
     variants = [Variant("none", n_draft=0)]
     for method in methods:
         if method == "none":
@@ -75,7 +79,8 @@ def make_variants(
             for drafter in drafters:
                 for delta in deltas if method == "cactus" else (1.0,):
                     for threshold in tas_thresholds if method == "tas" else (DEFAULT_POSTERIOR_THRESHOLD,):
-                        variants.append(Variant(method, delta, n_draft, drafter, threshold))
+                        for budget in kl_budgets if method not in LOSSLESS_METHODS else (None,):
+                            variants.append(Variant(method, delta, n_draft, drafter, threshold, budget))
     return variants
 
 
@@ -188,7 +193,10 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             # The response-level KL spread over every emitted token (plain and bonus tokens add 0).
             "kl_per_token": sum(r.get("kl_total") or 0.0 for r in runs)
             / max(sum(r["n_tokens"] for r in runs), 1),
+            "kl_per_response": sum(r.get("kl_total") or 0.0 for r in runs) / len(runs),
+            "kl_per_response_max": max(r.get("kl_total") or 0.0 for r in runs),
             "posterior_threshold": variant.posterior_threshold,
+            "kl_budget": variant.kl_budget,
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,
@@ -255,7 +263,8 @@ def markdown_table(summary: dict[str, dict]) -> str:
     header = (
         "| method | AL (accepted drafts / verifier call) | tokens / verifier call | tok/s (median) | "
         "speedup vs none: median (min–max) | draft / verify / overhead ms per step | mean KL | "
-        "draft lengths | projected speedup, memory-bound |\n|---|---|---|---|---|---|---|---|---|\n"
+        "KL per response: mean (max) | draft lengths | projected speedup, memory-bound |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for label, s in summary.items():
@@ -265,14 +274,19 @@ def markdown_table(summary: dict[str, dict]) -> str:
             else "–"
         )
         kl = f"{s['kl_mean']:.4f}" if s["kl_mean"] is not None else "–"
+        per_response = (
+            f"{s['kl_per_response']:.2f} ({s['kl_per_response_max']:.2f})"
+            if s["kl_mean"] is not None
+            else "–"
+        )
         lengths = ", ".join(f"{k}: {n}" for k, n in s["draft_length_histogram"].items())
         projected = s.get("projected_speedup_memory_bound")
         projected = f"{projected:.2f}" if projected is not None else "–"
         lines.append(
             f"| {label} | {s['acceptance_length']:.2f} | {s['tokens_per_verifier_call']:.2f} | "
             f"{s['tokens_per_second']:.2f} | {speedup} | {s['draft_ms_per_step']:.0f} / "
-            f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {lengths} | "
-            f"{projected} |"
+            f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {per_response} | "
+            f"{lengths} | {projected} |"
         )
     return header + "\n".join(lines) + "\n"
 

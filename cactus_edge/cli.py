@@ -459,6 +459,13 @@ def _split(kind):
     return parse
 
 
+def _kl_budget(item: str) -> float:
+    budget = float(item)
+    if not budget >= 0:
+        raise ValueError(f"a KL budget must be >= 0 nats, got {item!r}")
+    return budget
+
+
 def _draft_length(item: str):
     return item if item == "auto" else int(item)
 
@@ -481,6 +488,12 @@ def _draft_length(item: str):
     show_default=True,
     callback=_split(float),
     help="Typical acceptance's posterior thresholds, one variant each.",
+)
+@click.option(
+    "--kl-budgets",
+    default="",
+    callback=_split(_kl_budget),
+    help="KL budgets per response in nats for the lossy rules, one variant each (inf: unlimited).",
 )
 @click.option(
     "--n-draft",
@@ -527,6 +540,7 @@ def bench(
     n_drafts,
     drafters,
     tas_thresholds,
+    kl_budgets,
     prompts_file,
     category,
     limit,
@@ -563,7 +577,7 @@ def bench(
     if per_category:
         prompts = per_category_selection(prompts, per_category)
     prompts = prompts[:limit]
-    variants = make_variants(methods, deltas, n_drafts, drafters, tas_thresholds)
+    variants = make_variants(methods, deltas, n_drafts, drafters, tas_thresholds, kl_budgets or (None,))
     settings = {
         "temperature": temperature,
         "top_k": top_k,

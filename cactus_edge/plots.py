@@ -62,12 +62,17 @@ def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
 def plot_frontier(summary: dict[str, dict], out_dir: Path) -> Path | None:
     """acceptance_vs_kl.png: AL against measured KL per token, one curve per lossy rule and draft
     length (Cactus over delta, typical acceptance over its threshold), SpS as the KL = 0 point.
+    Variants with a KL budget are left out: the budget is another knob, not a point on these curves.
     None when no rule has two points."""
     import matplotlib.pyplot as plt
 
     curves: dict[tuple, list[tuple[float, float, str]]] = {}
     for entry in summary.values():
-        if entry["method"] in ("cactus", "tas", "sps") and entry["drafter"] == "model":
+        if (
+            entry["method"] in ("cactus", "tas", "sps")
+            and entry["drafter"] == "model"
+            and entry.get("kl_budget") is None
+        ):
             key = (entry["method"], entry["n_draft"])
             knob = (
                 f"δ={entry['delta']:g}"

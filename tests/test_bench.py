@@ -175,3 +175,58 @@ def test_the_frontier_plot_needs_two_points_of_a_lossy_rule(tmp_path):
     two = {**one, "c2": entry("cactus", 4.5, 0.09, delta=2.0), "t1": entry("tas", 4.1, 0.1, threshold=0.05)}
     path = plot_frontier(two, tmp_path)
     assert path == tmp_path / "acceptance_vs_kl.png" and path.stat().st_size > 0
+
+
+def test_kl_budgets_make_one_variant_each_for_lossy_rules_only():
+    variants = make_variants(["sps", "cactus"], [1.0], [4], ["model"], kl_budgets=[0.0, 2.0, float("inf")])
+    labels = [v.label for v in variants]
+    assert labels == [
+        "none",
+        "sps k=4",
+        "cactus δ=1 k=4 budget 0",
+        "cactus δ=1 k=4 budget 2",
+        "cactus δ=1 k=4 budget inf",
+    ]
+    assert variants[3].config(seed=0).kl_budget == 2.0
+    assert type(variants[3].config(seed=0).rule).__name__ == "KLBudgetRule"
+    assert variants[1].config(seed=0).kl_budget is None  # a lossless rule spends nothing
+
+
+def test_summary_reports_kl_per_response():
+    variants = [Variant("none", n_draft=0), Variant("cactus", n_draft=4, kl_budget=1.0)]
+    label = variants[1].label
+    records = [record(0, "none", 10.0, 20, 20, 0, hist={0: 20})]
+    records += [
+        {**record(p, label, 12.0, 8, 24, 16, kl=0.1), "kl_total": total} for p, total in ((0, 0.4), (1, 0.8))
+    ]
+    summary = summarize(records, variants)[label]
+    assert summary["kl_per_response"] == pytest.approx(0.6) and summary["kl_per_response_max"] == 0.8
+    assert summary["kl_budget"] == 1.0
+    assert f"| {label} |" in markdown_table({label: summary}) and "| 0.60 (0.80) |" in markdown_table(
+        {label: summary}
+    )
+
+
+def test_bench_rejects_a_negative_kl_budget(tiny_args):
+    result = CliRunner().invoke(main, ["bench", *tiny_args, "--kl-budgets", "1,-2"])
+    assert result.exit_code == 2 and "--kl-budgets" in result.output and "-2" in result.output
+
+
+def test_budgeted_variants_stay_off_the_frontier(tmp_path):
+    pytest.importorskip("matplotlib")
+    from cactus_edge.plots import plot_frontier
+
+    def entry(al, kl, budget):
+        return {
+            "method": "cactus",
+            "drafter": "model",
+            "n_draft": 8,
+            "acceptance_length": al,
+            "kl_per_token": kl,
+            "delta": 1.0,
+            "posterior_threshold": 0.09,
+            "kl_budget": budget,
+        }
+
+    assert plot_frontier({"a": entry(4.0, 0.05, None), "b": entry(3.5, 0.01, 0.5)}, tmp_path) is None
+    assert plot_frontier({"a": entry(4.0, 0.05, None), "b": entry(3.5, 0.01, None)}, tmp_path) is not None
