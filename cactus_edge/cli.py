@@ -705,7 +705,7 @@ def eval_humaneval(
             progress=lambda line: click.echo(line, err=True),
         ):
             pass
-    table = report(Path(out), variants)
+    table = report(Path(out), variants, max_tokens)
     Path(out).with_suffix(".md").write_text(table)
     click.echo(table)
 

@@ -170,7 +170,9 @@ def evaluate(
                 "acceptance_length": result.stats.acceptance_length,
                 "tokens_per_second": result.stats.tokens_per_second,
                 "kl_mean": result.stats.kl_mean,
+                "kl_total": result.stats.kl_total,
                 "n_tokens": result.stats.n_tokens,
+                "finish_reason": result.finish_reason,
                 "completion": result.text,
             }
             with open(out_path, "a") as handle:
@@ -179,16 +181,19 @@ def evaluate(
             yield record
 
 
-def report(out_path: Path, variants: list[Variant]) -> str:
-    """Markdown: pass@1 with its 95% interval, AL and tok/s per variant, and whether each lossy
-    method differs from the lossless `sps` beyond chance (McNemar, paired by problem)."""
+def report(out_path: Path, variants: list[Variant], max_tokens: int | None = None) -> str:
+    """Markdown: pass@1 with its 95% interval, AL, tok/s, mean KL and token-limit hits per variant,
+    and whether each lossy method differs from the lossless `sps` beyond chance (McNemar, paired
+    by problem). A sample hit the limit when it finished by length (older samples without a
+    finish reason: when it has ``max_tokens`` tokens)."""
     records = [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
     by_variant = {v.label: {r["task_id"]: r for r in records if r["variant"] == v.label} for v in variants}
     shared = set.intersection(*(set(rows) for rows in by_variant.values())) if by_variant else set()
     lines = [
         f"{len(shared)} problems run by every variant; pass@1 from one sample each, 95% Wilson interval\n",
-        "| method | pass@1 | 95% interval | AL | tok/s | vs sps (McNemar p) |",
-        "|---|---|---|---|---|---|",
+        "| method | pass@1 | 95% interval | AL | tok/s | mean KL per decided draft | hit token limit | "
+        "vs sps (McNemar p) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     reference = by_variant.get(next((v.label for v in variants if v.method == "sps"), ""), {})
     for label, rows in by_variant.items():
@@ -197,6 +202,9 @@ def report(out_path: Path, variants: list[Variant]) -> str:
         low, high = wilson_interval(solved, len(runs))
         al = sum(r["acceptance_length"] for r in runs) / max(len(runs), 1)
         tps = sorted(r["tokens_per_second"] for r in runs)[len(runs) // 2] if runs else 0.0
+        kls = [r["kl_mean"] for r in runs if r.get("kl_mean") is not None]
+        kl = f"{sum(kls) / len(kls):.4f}" if kls and any(kls) else "–"
+        limited = sum(_hit_limit(r, max_tokens) for r in runs)
         versus = "–"
         if reference and label in by_variant and rows is not reference:
             only_a = sum(rows[t]["passed"] and not reference[t]["passed"] for t in shared)
@@ -204,6 +212,12 @@ def report(out_path: Path, variants: list[Variant]) -> str:
             versus = f"{mcnemar_pvalue(only_a, only_b):.2f} (+{only_a} / −{only_b})"
         lines.append(
             f"| {label} | {solved / max(len(runs), 1):.3f} ({solved}/{len(runs)}) | {low:.2f}–{high:.2f} | "
-            f"{al:.2f} | {tps:.1f} | {versus} |"
+            f"{al:.2f} | {tps:.1f} | {kl} | {limited} | {versus} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _hit_limit(record: dict, max_tokens: int | None) -> bool:
+    if record.get("finish_reason") is not None:
+        return record["finish_reason"] == "length"
+    return max_tokens is not None and record["n_tokens"] >= max_tokens

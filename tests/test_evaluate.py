@@ -85,6 +85,41 @@ def test_evaluation_is_resumable_and_reported(problems_file, tmp_path):
     assert engine.calls == 2
     table = report(out, variants)
     assert "| sps k=4 | 1.000 (1/1) |" in table and "| tas k=4 | 0.000 (0/1) |" in table
+    assert all(r["finish_reason"] == "stop" for r in map(json.loads, out.read_text().splitlines()))
+
+
+def test_report_counts_token_limit_hits_and_kl(tmp_path):
+    """A sample hit the limit when it finished by length; samples written before finish reasons
+    were recorded count by their token count."""
+    variants = [Variant("sps", n_draft=4), Variant("cactus", n_draft=4)]
+    rows = [
+        ("HumanEval/0", "sps k=4", True, 0.0, 120, "stop"),
+        ("HumanEval/1", "sps k=4", False, 0.0, 64, "length"),
+        ("HumanEval/0", "cactus δ=1 k=4", True, 0.02, 64, None),  # old sample at the limit
+        ("HumanEval/1", "cactus δ=1 k=4", True, 0.04, 30, None),
+    ]
+    out = tmp_path / "samples.jsonl"
+    out.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "task_id": t,
+                    "variant": v,
+                    "passed": ok,
+                    "kl_mean": kl,
+                    "n_tokens": n,
+                    "acceptance_length": 2.0,
+                    "tokens_per_second": 5.0,
+                    "finish_reason": reason,
+                }
+            )
+            + "\n"
+            for t, v, ok, kl, n, reason in rows
+        )
+    )
+    table = report(out, variants, max_tokens=64)
+    assert "| sps k=4 | 0.500 (1/2) | 0.09–0.91 | 2.00 | 5.0 | – | 1 | – |" in table
+    assert "| cactus δ=1 k=4 | 1.000 (2/2) | 0.34–1.00 | 2.00 | 5.0 | 0.0300 | 1 | 1.00 (+1 / −0) |" in table
 
 
 def test_interval_and_paired_test():
