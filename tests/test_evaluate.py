@@ -91,10 +91,12 @@ def test_evaluation_is_resumable_and_reported(problems_file, tmp_path):
 def test_report_counts_token_limit_hits_and_kl(tmp_path):
     """A sample hit the limit when it finished by length; samples written before finish reasons
     were recorded count by their token count."""
-    variants = [Variant("sps", n_draft=4), Variant("cactus", n_draft=4)]
+    variants = [Variant("sps", n_draft=4), Variant("tas", n_draft=4), Variant("cactus", n_draft=4)]
     rows = [
-        ("HumanEval/0", "sps k=4", True, 0.0, 120, "stop"),
-        ("HumanEval/1", "sps k=4", False, 0.0, 64, "length"),
+        ("HumanEval/0", "sps k=4", True, 0.0, 64, "stop"),  # stopped right at the limit
+        ("HumanEval/1", "sps k=4", False, 0.0, 30, "stop"),
+        ("HumanEval/0", "tas k=4", True, 0.01, 64, "length"),
+        ("HumanEval/1", "tas k=4", False, 0.01, 30, "length"),
         ("HumanEval/0", "cactus δ=1 k=4", True, 0.02, 64, None),  # old sample at the limit
         ("HumanEval/1", "cactus δ=1 k=4", True, 0.04, 30, None),
     ]
@@ -118,7 +120,8 @@ def test_report_counts_token_limit_hits_and_kl(tmp_path):
         )
     )
     table = report(out, variants, max_tokens=64)
-    assert "| sps k=4 | 0.500 (1/2) | 0.09–0.91 | 2.00 | 5.0 | – | 1 | – |" in table
+    assert "| sps k=4 | 0.500 (1/2) | 0.09–0.91 | 2.00 | 5.0 | – | 0 | – |" in table
+    assert "| tas k=4 | 0.500 (1/2) | 0.09–0.91 | 2.00 | 5.0 | 0.0100 | 2 | 1.00 (+0 / −0) |" in table
     assert "| cactus δ=1 k=4 | 1.000 (2/2) | 0.34–1.00 | 2.00 | 5.0 | 0.0300 | 1 | 1.00 (+1 / −0) |" in table
 
 
