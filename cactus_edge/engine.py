@@ -234,6 +234,15 @@ class Engine:
         with self._life.prompt_operation():
             return self.prompts.tokenize_prompt(prompt, chat=chat)
 
+    def warm_up(self) -> None:
+        """What a long-running process (the server) does once after loading, so its first request
+        does not pay for it: page the weights in, build the compute graphs, and measure the batch
+        costs `n_draft="auto"` needs (:func:`calibrate`). The caches keep a short prompt."""
+        config = GenerationConfig(
+            method="sps", n_draft="auto", drafter="model" if self.draft else "lookup", max_tokens=1, seed=0
+        )
+        self.generate("Hello", config)
+
     # --- generation ------------------------------------------------------------------------------
 
     def generate(

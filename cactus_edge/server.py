@@ -1203,9 +1203,10 @@ def run(
     announce: Callable[[Server], None],
     install_signals: bool = True,
 ) -> None:
-    """What `cactus-edge serve` does: listen at once (/health answers 503 while loading), load the
-    engine, announce, serve until SIGINT/SIGTERM, then stop accepting, cancel the running
-    generation, close the engine and return."""
+    """What `cactus-edge serve` does: listen at once (/health answers 503 while loading), load and
+    warm up the engine (the first request should not pay auto's calibration), announce, serve
+    until SIGINT/SIGTERM, then stop accepting, cancel the running generation, close the engine
+    and return."""
     import signal
 
     stop = threading.Event()
@@ -1225,6 +1226,8 @@ def run(
     try:
         server.start()
         engine = load_engine()
+        if not stop.is_set():
+            engine.warm_up()
         if not stop.is_set():
             app.attach(engine)
             announce(server)

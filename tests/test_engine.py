@@ -430,3 +430,13 @@ def test_auto_measures_every_verify_size_once_and_leaves_the_caches_clean(engine
     engine.reset_estimates()
     engine.generate(PROMPT, GenerationConfig(method="sps", n_draft=3, max_tokens=8, seed=3))
     assert not engine.costs.calibrated  # a fixed draft length needs no cost table
+
+
+def test_warm_up_calibrates_auto_and_changes_no_output(engine):
+    config = GenerationConfig(method="cactus", n_draft=3, max_tokens=12, seed=5)
+    before = engine.generate(PROMPT, config).tokens
+    engine.reset_estimates()
+    engine.warm_up()
+    assert engine.costs.calibrated == {"target", "draft"}
+    assert set(engine.costs.verify.by_size) >= set(range(1, 10))
+    assert engine.generate(PROMPT, config).tokens == before

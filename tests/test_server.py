@@ -8,6 +8,7 @@ cores). Queue tests hold the engine with a gate instead of relying on timing."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -591,6 +592,27 @@ def test_sigterm_mid_stream_exits_0(tiny_pair):
         if process.poll() is None:
             process.kill()
             process.wait(WAIT)
+
+
+def test_run_warms_the_engine_up_before_announcing():
+    """`serve` calibrates `auto` before it says it is ready, so no request pays for it."""
+    from cactus_edge.server import run
+
+    calls = []
+
+    class FakeEngine:
+        def warm_up(self):
+            calls.append("warm_up")
+
+        def close(self, wait=5.0):
+            calls.append("close")
+
+    def announce(server):
+        calls.append("announce")
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: `run` returns
+
+    run(FakeEngine, ServerSettings(port=0), announce)
+    assert calls == ["warm_up", "announce", "close"]
 
 
 def test_serve_help_lists_the_flags():
