@@ -44,7 +44,7 @@ class Variant:
             n_draft=self.n_draft,
             drafter=self.drafter,
             posterior_threshold=self.posterior_threshold,
-            kl_budget=self.kl_budget,
+            kl_budget=self.kl_budget if self.kl_budget != float("inf") else None,  # inf: no budget
             seed=seed,
             **settings,
         )
@@ -196,7 +196,7 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "kl_per_response": sum(r.get("kl_total") or 0.0 for r in runs) / len(runs),
             "kl_per_response_max": max(r.get("kl_total") or 0.0 for r in runs),
             "posterior_threshold": variant.posterior_threshold,
-            "kl_budget": variant.kl_budget,
+            "kl_budget": variant.kl_budget if variant.kl_budget != float("inf") else None,  # JSON-safe
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,

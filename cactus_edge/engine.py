@@ -236,12 +236,18 @@ class Engine:
 
     def warm_up(self) -> None:
         """What a long-running process (the server) does once after loading, so its first request
-        does not pay for it: page the weights in, build the compute graphs, and measure the batch
-        costs `n_draft="auto"` needs (:func:`calibrate`). The caches keep a short prompt."""
-        config = GenerationConfig(
-            method="sps", n_draft="auto", drafter="model" if self.draft else "lookup", max_tokens=1, seed=0
+        does not pay for it: page the weights in and build the compute graphs (a short fixed-k
+        generation, whose timings are then forgotten: cold decodes would skew the cost table),
+        then measure the batch costs `n_draft="auto"` needs (:func:`calibrate`). The caches keep
+        a short prompt; no acceptance rate is learnt."""
+        drafter = "model" if self.draft else "lookup"
+        self.generate(
+            "Hello", GenerationConfig(method="sps", n_draft=2, drafter=drafter, max_tokens=4, seed=0)
         )
-        self.generate("Hello", config)
+        self.reset_estimates()
+        self.generate(
+            "Hello", GenerationConfig(method="sps", n_draft="auto", drafter=drafter, max_tokens=1, seed=0)
+        )
 
     # --- generation ------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 
 from .bench import Variant
+from .config import LOSSLESS_METHODS
 from .errors import MissingDependencyError
 
 INSTRUCTION = (
@@ -182,7 +183,8 @@ def evaluate(
 
 
 def report(out_path: Path, variants: list[Variant], max_tokens: int | None = None) -> str:
-    """Markdown: pass@1 with its 95% interval, AL, tok/s, mean KL and token-limit hits per variant,
+    """Markdown: pass@1 with its 95% interval, AL, tok/s, mean KL per step (the mean over samples
+    of each sample's mean per-step KL; lossy rules only) and token-limit hits per variant,
     and whether each lossy method differs from the lossless `sps` beyond chance (McNemar, paired
     by problem). A sample hit the limit when it finished by length (older samples without a
     finish reason: when it has ``max_tokens`` tokens)."""
@@ -191,7 +193,7 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
     shared = set.intersection(*(set(rows) for rows in by_variant.values())) if by_variant else set()
     lines = [
         f"{len(shared)} problems run by every variant; pass@1 from one sample each, 95% Wilson interval\n",
-        "| method | pass@1 | 95% interval | AL | tok/s | mean KL per decided draft | hit token limit | "
+        "| method | pass@1 | 95% interval | AL | tok/s | mean KL per step | hit token limit | "
         "vs sps (McNemar p) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -203,7 +205,8 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
         al = sum(r["acceptance_length"] for r in runs) / max(len(runs), 1)
         tps = sorted(r["tokens_per_second"] for r in runs)[len(runs) // 2] if runs else 0.0
         kls = [r["kl_mean"] for r in runs if r.get("kl_mean") is not None]
-        kl = f"{sum(kls) / len(kls):.4f}" if kls and any(kls) else "–"
+        lossless = next(v.method for v in variants if v.label == label) in LOSSLESS_METHODS
+        kl = f"{sum(kls) / len(kls):.4f}" if kls and not lossless else "–"
         limited = sum(_hit_limit(r, max_tokens) for r in runs)
         versus = "–"
         if reference and label in by_variant and rows is not reference:

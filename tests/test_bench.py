@@ -190,6 +190,8 @@ def test_kl_budgets_make_one_variant_each_for_lossy_rules_only():
     assert variants[3].config(seed=0).kl_budget == 2.0
     assert type(variants[3].config(seed=0).rule).__name__ == "KLBudgetRule"
     assert variants[1].config(seed=0).kl_budget is None  # a lossless rule spends nothing
+    unlimited = variants[4].config(seed=0)  # inf is no budget: the plain rule, JSON-safe None
+    assert unlimited.kl_budget is None and type(unlimited.rule).__name__ == "Cactus"
 
 
 def test_summary_reports_kl_per_response():
@@ -230,3 +232,6 @@ def test_budgeted_variants_stay_off_the_frontier(tmp_path):
 
     assert plot_frontier({"a": entry(4.0, 0.05, None), "b": entry(3.5, 0.01, 0.5)}, tmp_path) is None
     assert plot_frontier({"a": entry(4.0, 0.05, None), "b": entry(3.5, 0.01, None)}, tmp_path) is not None
+    unlimited = Variant("cactus", n_draft=8, kl_budget=float("inf"))
+    record_inf = {**record(0, unlimited.label, 9.0, 8, 24, 16, kl=0.1), "kl_total": 0.5}
+    assert summarize([record_inf], [unlimited])[unlimited.label]["kl_budget"] is None  # on the frontier

@@ -432,11 +432,30 @@ def test_auto_measures_every_verify_size_once_and_leaves_the_caches_clean(engine
     assert not engine.costs.calibrated  # a fixed draft length needs no cost table
 
 
-def test_warm_up_calibrates_auto_and_changes_no_output(engine):
+def test_warm_up_calibrates_auto_and_changes_no_output(engine, monkeypatch):
+    import cactus_edge.engine as engine_module
+
     config = GenerationConfig(method="cactus", n_draft=3, max_tokens=12, seed=5)
     before = engine.generate(PROMPT, config).tokens
     engine.reset_estimates()
+    seen_before_calibration = []
+    calibrate = engine_module.calibrate
+
+    def spy(costs, *args):
+        seen_before_calibration.append(dict(costs.verify.by_size))
+        calibrate(costs, *args)
+
+    monkeypatch.setattr(engine_module, "calibrate", spy)
     engine.warm_up()
+    assert seen_before_calibration == [{}]  # the cold warm-up decodes' timings were forgotten
     assert engine.costs.calibrated == {"target", "draft"}
     assert set(engine.costs.verify.by_size) >= set(range(1, 10))
+    assert engine.acceptance == {}  # nothing learnt about acceptance from a 1-token reply
+    assert engine.check_caches() == []
     assert engine.generate(PROMPT, config).tokens == before
+
+
+def test_warm_up_without_a_draft_model_calibrates_the_target(tiny_pair):
+    with Engine.load(None, str(tiny_pair[1]), n_ctx=512) as engine:
+        engine.warm_up()
+        assert engine.costs.calibrated == {"target"} and not engine.costs.draft.by_size

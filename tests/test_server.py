@@ -614,6 +614,15 @@ def test_run_warms_the_engine_up_before_announcing():
     run(FakeEngine, ServerSettings(port=0), announce)
     assert calls == ["warm_up", "announce", "close"]
 
+    class BrokenEngine(FakeEngine):
+        def warm_up(self):
+            raise RuntimeError("warm-up failed")
+
+    calls.clear()
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        run(BrokenEngine, ServerSettings(port=0), announce)
+    assert calls == ["close"]  # the models are freed; nothing was announced
+
 
 def test_serve_help_lists_the_flags():
     from click.testing import CliRunner
