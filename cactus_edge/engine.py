@@ -235,19 +235,9 @@ class Engine:
             return self.prompts.tokenize_prompt(prompt, chat=chat)
 
     def warm_up(self) -> None:
-        """What a long-running process (the server) does once after loading, so its first request
-        does not pay for it: page the weights in and build the compute graphs (a short fixed-k
-        generation, whose timings are then forgotten: cold decodes would skew the cost table),
-        then measure the batch costs `n_draft="auto"` needs (:func:`calibrate`). The caches keep
-        a short prompt; no acceptance rate is learnt."""
-        drafter = "model" if self.draft else "lookup"
-        self.generate(
-            "Hello", GenerationConfig(method="sps", n_draft=2, drafter=drafter, max_tokens=4, seed=0)
-        )
-        self.reset_estimates()
-        self.generate(
-            "Hello", GenerationConfig(method="sps", n_draft="auto", drafter=drafter, max_tokens=1, seed=0)
-        )
+        """Page the weights in, build the graphs and calibrate `auto` once after loading, so the
+        first request of a long-running process (the server) does not pay for it (:func:`warm_up`)."""
+        warm_up(self)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -502,6 +492,19 @@ class _Generation:
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
+
+
+def warm_up(engine: Engine) -> None:
+    """A short fixed-k generation pages the weights in and builds the compute graphs; its cold
+    timings are then forgotten (they would skew the cost table), and a 1-token `auto` generation
+    measures the batch costs `auto` needs (:func:`calibrate`). The caches keep a short prompt; no
+    acceptance rate is learnt."""
+    drafter = "model" if engine.draft else "lookup"
+    engine.generate("Hello", GenerationConfig(method="sps", n_draft=2, drafter=drafter, max_tokens=4, seed=0))
+    engine.reset_estimates()
+    engine.generate(
+        "Hello", GenerationConfig(method="sps", n_draft="auto", drafter=drafter, max_tokens=1, seed=0)
+    )
 
 
 def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, filler: int) -> None:

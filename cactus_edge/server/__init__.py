@@ -1,0 +1,71 @@
+"""`cactus-edge serve`: an OpenAI-compatible HTTP server over one Engine, for desktop apps.
+
+Layout, one concern a module:
+
+* ``settings``: :class:`ServerSettings` (how the server listens, what it lets through), the
+  defaults, Host-header names.
+* ``app``: :class:`ServerApp`, a plain ASGI application over an Engine (or none yet: ``/health``
+  says 503 while the CLI loads the models, then :meth:`ServerApp.attach` makes it ready). It
+  routes each request after ``guards`` checked it (Host, Origin, API key; CORS preflight),
+  parses it with ``parsing`` (size, JSON, :func:`~cactus_edge.openai_compat.parse_request`,
+  messages or prompt, tokenizing), checks it fits the context and hands it to the scheduler.
+* ``scheduler``: :class:`Scheduler` owns the engine: ONE worker thread runs one generation at a
+  time, in arrival order, from a bounded queue (``max_queue`` waiting behind the running one;
+  more get 503). A running generation is never pre-empted. A request whose client goes away is
+  withdrawn from the queue, or, if it runs, cancelled at the engine's next step (the engine
+  leaves its caches consistent, so the next request sees what a fresh engine would give).
+* ``streaming``: a job's events as one JSON body or server-sent events, in the shapes of
+  ``responses``; ``exchange``: one ASGI request/response.
+* ``errors``: :class:`HTTPError` and the mapping of library errors to statuses; ``metrics``:
+  the counters of GET /metrics.
+* ``runner``: :class:`Server` runs the app on uvicorn (h11, asyncio) in a background thread, on a
+  socket it binds itself (so port 0 is known before serving); :func:`run` is what the CLI calls:
+  signals, loading, the ready line, a clean shutdown.
+
+``/v1/models``, ``/health`` and ``/metrics`` never touch the engine or wait for it.
+
+Every error is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from .app import ServerApp
+from .errors import HTTPError, QueueFull, ShuttingDown, error_body
+from .metrics import KL_BUCKETS, Metrics
+from .responses import response_blocks
+from .runner import Server, create_server, run
+from .scheduler import Job, Scheduler
+from .settings import (
+    API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    LOOPBACK_HOSTS,
+    MODEL_ALIAS,
+    RETRY_AFTER_SECONDS,
+    ServerSettings,
+)
+
+__all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_HOST",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_QUEUE",
+    "DEFAULT_PORT",
+    "KL_BUCKETS",
+    "LOOPBACK_HOSTS",
+    "MODEL_ALIAS",
+    "RETRY_AFTER_SECONDS",
+    "HTTPError",
+    "Job",
+    "Metrics",
+    "QueueFull",
+    "Scheduler",
+    "Server",
+    "ServerApp",
+    "ServerSettings",
+    "ShuttingDown",
+    "create_server",
+    "error_body",
+    "response_blocks",
+    "run",
+]

@@ -1,0 +1,81 @@
+"""Errors as HTTP answers: OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``,
+the scheduler's refusals, and the mapping from the library's exceptions to statuses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from ..errors import (
+    CactusEdgeError,
+    ContextLengthError,
+    EngineBusy,
+    EngineClosedError,
+    InvalidSettingError,
+    UnsupportedParameterError,
+)
+from .settings import RETRY_AFTER_SECONDS
+
+logger = logging.getLogger("cactus_edge.server")
+
+
+class HTTPError(Exception):
+    """An answer in OpenAI's error envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, tuple(headers)
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class QueueFull(Exception):
+    pass
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+def busy_error(message: str, code: str) -> HTTPError:
+    return HTTPError(
+        503, message, type="server_error", code=code, headers=[("retry-after", str(RETRY_AFTER_SECONDS))]
+    )
+
+
+def from_library_error(error: BaseException, prompt_param: str) -> HTTPError:
+    """The HTTP answer for an exception a generation raised before its first event."""
+    if isinstance(error, UnsupportedParameterError):
+        return HTTPError(400, str(error), param=error.param, code="unsupported_parameter")
+    if isinstance(error, InvalidSettingError):
+        return HTTPError(400, str(error), param=error.param, code="invalid_value")
+    if isinstance(error, ContextLengthError):
+        return HTTPError(400, str(error), param=prompt_param, code="context_length_exceeded")
+    if isinstance(error, (ShuttingDown, EngineClosedError)):
+        return busy_error("the server is shutting down", "shutting_down")
+    if isinstance(error, EngineBusy):
+        return busy_error(str(error), "engine_busy")
+    if isinstance(error, CactusEdgeError):
+        logger.error("generation failed: %s: %s", type(error).__name__, error)
+        return HTTPError(
+            500, f"the generation failed: {error}", type="server_error", code="generation_failed"
+        )
+    logger.error("unexpected error in a generation", exc_info=error)
+    return HTTPError(
+        500, "internal server error (logged on the server)", type="server_error", code="internal"
+    )

@@ -1,0 +1,44 @@
+"""One HTTP request/response over ASGI, with helpers to send JSON, text and errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import HTTPError
+
+
+class Exchange:
+    """One HTTP request/response: the scope, the ASGI callables, and what was sent."""
+
+    def __init__(self, scope, receive, send, cors_headers: list[tuple[bytes, bytes]]) -> None:
+        self.scope, self.receive, self._send = scope, receive, send
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self.cors_headers = cors_headers
+        self.status: int | None = None
+        self.started = False
+
+    async def start(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
+        self.status, self.started = status, True
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers] + self.cors_headers
+        await self._send({"type": "http.response.start", "status": status, "headers": raw})
+
+    async def body(self, data: bytes, more: bool = False) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def send_json(self, status: int, body: Any, headers: Sequence[tuple[str, str]] = ()) -> None:
+        data = json.dumps(body).encode()
+        await self.start(
+            status,
+            [("content-type", "application/json"), ("content-length", str(len(data))), *headers],
+        )
+        await self.body(data)
+
+    async def send_text(self, status: int, text: str, content_type: str) -> None:
+        data = text.encode()
+        await self.start(status, [("content-type", content_type), ("content-length", str(len(data)))])
+        await self.body(data)
+
+    async def send_error(self, error: HTTPError) -> None:
+        await self.send_json(error.status, error.body(), error.headers)

@@ -1,0 +1,149 @@
+"""Reading a generation request: the JSON body (size-limited), OpenAI's fields (via
+:func:`~cactus_edge.openai_compat.parse_request`), chat messages or a completions prompt, the
+tokenized prompt, and the final ``max_tokens``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..config import GenerationConfig
+from ..errors import BackendError, CactusEdgeError, EngineClosedError, InvalidSettingError
+from ..openai_compat import parse_request
+from .errors import HTTPError, from_library_error
+from .exchange import Exchange
+
+
+class ClientGone(Exception):
+    pass
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(exchange: Exchange, limit: int) -> Any:
+    """The request body as JSON; 413 over ``limit`` bytes; ClientGone if the client hangs up."""
+    too_large = HTTPError(
+        413, f"the request body is larger than {limit} bytes", param=None, code="request_too_large"
+    )
+    length = exchange.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    while True:
+        message = await exchange.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as error:
+        raise HTTPError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def parse_body(body: Any, base: GenerationConfig):
+    """OpenAI's fields of a generation request, over the server's generation defaults."""
+    if not isinstance(body, Mapping):
+        raise HTTPError(
+            400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
+        )
+    try:
+        return parse_request(body, base=base)
+    except InvalidSettingError as error:
+        raise from_library_error(error, "messages") from None
+
+
+async def tokenize(engine, body: Mapping, chat: bool, default_system: str | None) -> list[int]:
+    loop = asyncio.get_running_loop()
+    try:
+        if chat:
+            messages = chat_messages(body, default_system)
+            return await loop.run_in_executor(None, engine.tokenize_chat, messages)
+        prompt = _prompt(body, engine.target.vocab_size)
+        if isinstance(prompt, list):
+            return prompt
+        return await loop.run_in_executor(None, lambda: engine.tokenize_prompt(prompt, chat=True))
+    except (InvalidSettingError, EngineClosedError, BackendError) as error:
+        raise from_library_error(error, "prompt") from None
+    except CactusEdgeError as error:  # a chat template refusing the messages
+        raise HTTPError(
+            400, str(error), param="messages" if chat else "prompt", code="invalid_value"
+        ) from None
+
+
+def chat_messages(body: Mapping, default_system: str | None) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(
+            400, "messages must be a non-empty array of messages", param="messages", code="invalid_value"
+        )
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise HTTPError(
+                400,
+                f"messages[{index}] must be an object with a string 'role'",
+                param="messages",
+                code="invalid_value",
+            )
+        message = dict(message)
+        if message["role"] == "developer":  # OpenAI's newer name for the system role
+            message["role"] = "system"
+        if message.get("content") is None:
+            message["content"] = ""
+        out.append(message)
+    if default_system and not any(m["role"] == "system" for m in out):
+        out.insert(0, {"role": "system", "content": default_system})
+    return out
+
+
+def _prompt(body: Mapping, vocab_size: int) -> str | list[int]:
+    """A completions prompt: a string, token ids, or a batch of one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise HTTPError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise HTTPError(
+                400, f"prompt token ids must be in [0, {vocab_size})", param="prompt", code="invalid_value"
+            )
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise HTTPError(
+            400,
+            "a batch of several prompts is not supported; send one per request",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    raise HTTPError(
+        400, "prompt must be a non-empty string or array of token ids", param="prompt", code="invalid_value"
+    )
+
+
+def final_config(
+    config: GenerationConfig, body: Mapping, n_prompt: int, n_ctx: int, cap: int | None
+) -> GenerationConfig:
+    """max_tokens: the request's, or the context's room when it gives none; capped at ``cap``."""
+    asked = any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens"))
+    max_tokens = config.max_tokens if asked else n_ctx - n_prompt
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
+    return replace(config, max_tokens=max(1, max_tokens))

@@ -1,0 +1,116 @@
+"""Answering an admitted generation: the job's events become one JSON body (``stream: false``)
+or server-sent events (``stream: true``), while a watcher withdraws the job if the client hangs up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..stats import StreamEvent
+from .errors import HTTPError, from_library_error
+from .exchange import Exchange
+from .responses import ResponseShape, openai_finish, response_blocks, sse_event
+from .scheduler import Job, Scheduler
+
+
+async def respond(
+    exchange: Exchange, scheduler: Scheduler, job: Job, shape: ResponseShape, stream: bool, prompt_param: str
+) -> None:
+    """Send the job's answer; withdraw it from the scheduler unless it ended."""
+    watcher = asyncio.ensure_future(_watch_disconnect(exchange, scheduler, job))
+    try:
+        if stream:
+            await _stream(exchange, job, shape, prompt_param)
+        else:
+            await _complete(exchange, job, shape, prompt_param)
+    finally:
+        watcher.cancel()
+        if not job.done:
+            scheduler.withdraw(job)
+
+
+async def _watch_disconnect(exchange: Exchange, scheduler: Scheduler, job: Job) -> None:
+    while True:
+        message = await exchange.receive()
+        if message["type"] == "http.disconnect":
+            if not job.done:
+                scheduler.withdraw(job)
+                job.items.put_nowait(("disconnected", None))
+            return
+
+
+async def _next(job: Job) -> tuple[str, Any]:
+    kind, value = await job.items.get()
+    if kind in ("end", "disconnected"):
+        job.done = job.done or kind == "end"
+    return kind, value
+
+
+async def _next_event(job: Job, prompt_param: str) -> StreamEvent | None:
+    """The job's next event; None when the client is gone. An error raised before the
+    generation's end becomes its HTTP answer; an end without a final event is a 500."""
+    kind, value = await _next(job)
+    if kind == "disconnected":
+        return None
+    if kind == "error":
+        raise from_library_error(value, prompt_param)
+    if kind == "end":
+        raise HTTPError(500, "the generation ended without a result", type="server_error", code="internal")
+    return value
+
+
+async def _complete(exchange: Exchange, job: Job, shape: ResponseShape, prompt_param: str) -> None:
+    text: list[str] = []
+    while True:
+        event = await _next_event(job, prompt_param)
+        if event is None:
+            return
+        text.append(event.text)
+        if event.finish_reason is not None:
+            job.done = True
+            blocks = response_blocks(event.stats, job.config, job)
+            await exchange.send_json(
+                200, shape.complete("".join(text), openai_finish(event.finish_reason), blocks)
+            )
+            return
+
+
+async def _stream(exchange: Exchange, job: Job, shape: ResponseShape, prompt_param: str) -> None:
+    # The status is sent with the first event: an error before it (a shutdown while queued, a
+    # refused setting) still gets its own status and envelope.
+    first = await _next_event(job, prompt_param)
+    if first is None:
+        return
+    await exchange.start(
+        200,
+        [
+            ("content-type", "text/event-stream; charset=utf-8"),
+            ("cache-control", "no-cache"),
+            ("x-accel-buffering", "no"),
+        ],
+    )
+    role = shape.role_chunk()
+    if role is not None:
+        await exchange.body(sse_event(role), more=True)
+    kind, value = "event", first
+    while True:
+        if kind == "disconnected":
+            return
+        if kind == "error":
+            error = from_library_error(value, prompt_param)
+            await exchange.body(sse_event(error.body()), more=True)
+            break
+        if kind == "end":
+            break
+        event: StreamEvent = value
+        if event.text:
+            await exchange.body(sse_event(shape.text_chunk(event.text)), more=True)
+        if event.finish_reason is not None:
+            job.done = True
+            blocks = response_blocks(event.stats, job.config, job)
+            for chunk in shape.final_chunks(openai_finish(event.finish_reason), blocks):
+                await exchange.body(sse_event(chunk), more=True)
+            await exchange.body(sse_event("[DONE]"), more=True)
+            break
+        kind, value = await _next(job)
+    await exchange.body(b"")
