@@ -4,8 +4,10 @@ The same function and the same settings must be applied to both models (SPEC, "p
 module is the only place that turns logits into probabilities. It imports numpy only.
 
 Two representations of processed rows leave this module:
-- a dense ``np.ndarray`` of float64, shape (V,) or (n, V), when top-k is off;
-- a :class:`SparseProbs` holding only the surviving entries, when top-k is on or temperature is 0.
+- a :class:`SparseProbs` holding only the surviving entries, when top-k is on, temperature is 0,
+  or top-p alone leaves at most MAX_SPARSE_NUCLEUS tokens in every row (the nucleus);
+- a dense ``np.ndarray`` of float64, shape (V,) or (n, V), otherwise (no top-k and no top-p, or
+  nuclei too wide to be worth a sparse form).
 Both are accepted everywhere a row of probabilities is expected (the acceptance rules, the oracle).
 """
 
@@ -187,7 +189,8 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> ProbRows:
     """Turn logits into the processed distribution shared by draft and target.
 
     logits: float array, shape (V,) or (n, V).
-    Returns SparseProbs (top-k on, or greedy) or a dense float64 array of the input's shape.
+    Returns SparseProbs (top-k on, greedy, or a narrow top-p nucleus) or a dense float64 array of
+    the input's shape.
     """
     logits = np.asarray(logits)
     if logits.ndim not in (1, 2):
@@ -276,7 +279,16 @@ def _check_finite(row_maxima: np.ndarray, first_row: int = 0) -> None:
         raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {row}", row=row)
 
 
-def _process_dense(rows: np.ndarray, config: SamplingConfig) -> np.ndarray:
+# A top-p-only row is returned sparse (its nucleus) when every row's nucleus has at most this many
+# tokens: the rules, the sampler and the per-step KL then work on m entries instead of V.
+MAX_SPARSE_NUCLEUS = 2048
+
+
+def _process_dense(rows: np.ndarray, config: SamplingConfig) -> ProbRows:
+    if config.top_p < 1.0:
+        nuclei = [_nucleus(row, config, index) for index, row in enumerate(rows)]
+        if max(ids.size for ids, _ in nuclei) <= MAX_SPARSE_NUCLEUS:
+            return _apply_min_p_sparse(_stack_nuclei(nuclei, rows.shape[1]), config.min_p)
     probs = np.empty(rows.shape, dtype=np.float64)
     for index, row in enumerate(rows):
         probs[index] = _softmax_row(row, config.temperature, index)
@@ -285,15 +297,59 @@ def _process_dense(rows: np.ndarray, config: SamplingConfig) -> np.ndarray:
     return _apply_min_p(probs, config.min_p)
 
 
-def _softmax_row(logits: np.ndarray, temperature: float, row_index: int = 0) -> np.ndarray:
-    """Softmax of one full row: exp in float32 (twice as fast over V entries; relative error
-    ~1e-7), the sum and the result in float64."""
+def _nucleus(logits: np.ndarray, config: SamplingConfig, row_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top-p nucleus of one full row, exactly as the dense path keeps it: (ids int64 (m,),
+    probs float64 (m,)), descending probability, renormalised. Only the softmax's exp and sum
+    touch all V entries; candidates come from a threshold, as in :func:`_apply_top_p_dense`."""
+    exp = _exp_row(logits, config.temperature, row_index)  # float32 (V,), max entry 1
+    total = exp.sum(dtype=np.float64)
+    threshold = 1e-3
+    while True:
+        candidates = np.flatnonzero(exp >= threshold)
+        if exp[candidates].sum(dtype=np.float64) / total >= config.top_p or threshold == 0.0:
+            break
+        threshold = threshold * 1e-3 if threshold > 1e-30 else 0.0
+    probs = exp[candidates].astype(np.float64) / total
+    order = np.argsort(-probs, kind="stable")  # ties by id: candidates are ascending
+    ids, probs = candidates[order], probs[order]
+    keep = (np.cumsum(probs) - probs) < config.top_p
+    ids, probs = ids[keep], probs[keep]
+    return ids, probs / probs.sum()
+
+
+def _stack_nuclei(nuclei: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> SparseProbs:
+    """Rows of different support sizes as one (n, m) SparseProbs: shorter rows are padded with
+    ids outside their support at probability 0 (ids stay unique within a row)."""
+    width = max(ids.size for ids, _ in nuclei)
+    all_ids = np.empty((len(nuclei), width), dtype=np.int64)
+    all_probs = np.zeros((len(nuclei), width), dtype=np.float64)
+    for index, (ids, probs) in enumerate(nuclei):
+        all_ids[index, : ids.size] = ids
+        all_probs[index, : ids.size] = probs
+        if ids.size < width:
+            spare = np.setdiff1d(np.arange(width + ids.size), ids, assume_unique=True)
+            all_ids[index, ids.size :] = spare[: width - ids.size]
+    return SparseProbs(all_ids, all_probs, vocab_size)
+
+
+def _apply_min_p_sparse(rows: SparseProbs, min_p: float) -> SparseProbs:
+    return SparseProbs(rows.token_ids, _apply_min_p(rows.probs, min_p), rows.vocab_size)
+
+
+def _exp_row(logits: np.ndarray, temperature: float, row_index: int) -> np.ndarray:
+    """exp((logits − max) / temperature) of one full row in float32 (max entry exactly 1)."""
     scaled = np.asarray(logits, dtype=np.float32) * np.float32(1.0 / temperature)
     top = scaled.max()
     _check_finite(np.array([top]), first_row=row_index)
     scaled -= top
     np.exp(scaled, out=scaled)
-    probs = scaled.astype(np.float64)
+    return scaled
+
+
+def _softmax_row(logits: np.ndarray, temperature: float, row_index: int = 0) -> np.ndarray:
+    """Softmax of one full row: exp in float32 (twice as fast over V entries; relative error
+    ~1e-7), the sum and the result in float64."""
+    probs = _exp_row(logits, temperature, row_index).astype(np.float64)
     probs /= probs.sum()
     return probs
 

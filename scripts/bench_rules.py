@@ -4,7 +4,10 @@
 One step = process k draft rows and k+1 target rows (V = 151,936, the Qwen vocabulary), then
 rule.verify. Logits are synthetic but LLM-shaped: a heavy head over a Gaussian body.
 
-    .venv/bin/python scripts/bench_rules.py [--k 8] [--repeats 50]
+    .venv/bin/python scripts/bench_rules.py [--k 8] [--repeats 50] [--max-sparse-nucleus 0]
+
+`--max-sparse-nucleus 0` keeps top-p-only rows dense (what the code did before they became their
+sparse nucleus), for before/after comparisons in one checkout.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import numpy as np
 
+from cactus_edge import sampling
 from cactus_edge.acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance
 from cactus_edge.sampling import SamplingConfig, process_logits, sample_token
 
@@ -49,7 +53,9 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--max-sparse-nucleus", type=int, default=sampling.MAX_SPARSE_NUCLEUS)
     args = parser.parse_args()
+    sampling.MAX_SPARSE_NUCLEUS = args.max_sparse_nucleus
     rng = np.random.default_rng(0)
     settings = {
         "top-k 20, top-p 0.95": SamplingConfig(temperature=0.6, top_k=20, top_p=0.95),

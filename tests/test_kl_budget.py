@@ -123,3 +123,13 @@ def test_typical_acceptance_parameters_reach_the_rule(engine):
     assert lenient.stats.acceptance_length > strict.stats.acceptance_length
     with pytest.raises(InvalidSettingError, match="posterior_alpha"):
         GenerationConfig(method="tas", posterior_alpha=2.0)
+
+
+def test_top_p_without_top_k_is_judged_by_the_lossy_rule_within_its_budget(engine):
+    """A top-p-only row is its (sparse) nucleus, so Cactus judges it and its KL is measured and
+    budgeted; before, such rows were dense: their KL went unmeasured and a budget judged them by SpS."""
+    top_p_only = {**LOSSY, "top_k": 0, "top_p": 0.9}
+    free = engine.generate(PROMPT, GenerationConfig(**top_p_only, max_tokens=60, seed=2))
+    assert free.stats.kl_total > 0
+    budgeted = engine.generate(PROMPT, GenerationConfig(**top_p_only, max_tokens=60, seed=2, kl_budget=2.0))
+    assert 0 < budgeted.stats.kl_total <= 2.0 + 1e-12

@@ -58,13 +58,50 @@ def test_matches_reference(config, vocab_size):
     processed = process_logits(logits, config)
     dense = to_dense(processed)
     assert dense.shape == (3, vocab_size)
-    # The dense path exponentiates in float32 (relative error ~1e-7); the sparse path in float64.
-    tolerance = {"atol": 1e-12} if isinstance(processed, SparseProbs) else {"rtol": 2e-6, "atol": 1e-15}
+    # Full rows (dense, or a top-p nucleus) are exponentiated in float32 (relative error ~1e-7);
+    # the top-k path in float64.
+    float64 = config.top_k or config.temperature == 0
+    tolerance = {"atol": 1e-12} if float64 else {"rtol": 2e-6, "atol": 1e-15}
     for row_logits, row in zip(logits, dense, strict=True):
         np.testing.assert_allclose(row, reference_process(row_logits, config), **tolerance)
         assert abs(row.sum() - 1) < 1e-9
-    if config.top_k or config.temperature == 0:
+    if config.top_k or config.temperature == 0 or config.top_p < 1:
         assert isinstance(processed, SparseProbs)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.top_k and c.top_p < 1], ids=repr)
+def test_a_top_p_only_row_is_its_nucleus_as_the_dense_path_computed_it(config):
+    """The sparse nucleus holds exactly what the dense top-p path keeps (the old representation):
+    the same ids, the same probabilities to float64 rounding."""
+    from cactus_edge import sampling
+
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((4, 151_936)) * 4).astype(np.float32)
+    processed = process_logits(logits, config)
+    assert isinstance(processed, SparseProbs) and processed.token_ids.shape[1] <= sampling.MAX_SPARSE_NUCLEUS
+    for index, row in enumerate(logits):
+        dense = sampling._apply_top_p_dense(sampling._softmax_row(row, config.temperature), config.top_p)
+        dense = sampling._apply_min_p(dense[None, :], config.min_p)[0]
+        np.testing.assert_allclose(to_dense(processed[index]), dense, rtol=1e-12, atol=1e-15)
+        assert np.count_nonzero(processed[index].probs) == np.count_nonzero(dense)
+
+
+def test_a_wide_nucleus_stays_dense():
+    """Near-uniform logits: top-p 0.9 keeps ~90% of the vocabulary, too wide for a sparse row."""
+    logits = np.random.default_rng(1).standard_normal((2, 20_000)).astype(np.float32) * 0.01
+    processed = process_logits(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=0.9))
+    assert isinstance(processed, np.ndarray) and np.count_nonzero(processed[0]) > 10_000
+
+
+def test_nuclei_of_different_sizes_pad_with_unused_ids():
+    logits = np.full((2, 1000), -10.0, dtype=np.float32)
+    logits[0, [5, 9]] = 10.0  # two tokens hold the mass
+    logits[1, [1, 2, 3, 700]] = 10.0  # four do
+    processed = process_logits(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=0.99))
+    assert processed.token_ids.shape == (2, 4)
+    assert sorted(processed.token_ids[0][processed.probs[0] > 0]) == [5, 9]
+    assert all(len(set(row)) == 4 for row in processed.token_ids.tolist())  # padding ids are unique
+    np.testing.assert_allclose(processed.probs.sum(axis=1), 1.0)
 
 
 def test_single_row_keeps_its_shape():
