@@ -485,6 +485,16 @@ def output_distribution(
     return SparseProbs(union_ids, out, vocab_size)
 
 
+def acceptance_rate(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:
+    """Exact probability that one draft token d ~ draft_probs_row is accepted at one position:
+    Σ_d p(d) · a(d). For SpS this is Σ min(p, q), one minus the total variation distance.
+    O(|supp p|) acceptance_prob calls; rows dense or sparse."""
+    draft = _Dist.of(draft_probs_row)
+    target = _Dist.of(target_probs_row)
+    draft_ids = np.flatnonzero(draft.probs) if draft.ids is None else draft.ids[draft.probs > 0]
+    return float(sum(draft.prob(int(d)) * rule.acceptance_prob(int(d), draft, target) for d in draft_ids))
+
+
 def kl_divergence(dist_a: ProbRows, dist_b: ProbRows) -> float:
     """KL(a ‖ b) in nats for two rows (dense or sparse); inf if a has mass where b has none."""
     vocab_size = dist_b.shape[-1]

@@ -19,6 +19,7 @@ from cactus_edge.acceptance import (
     TypicalAcceptance,
     _Dist,
     _residual,
+    acceptance_rate,
     kl_divergence,
     make_rule,
     output_distribution,
@@ -395,3 +396,22 @@ def test_vectorized_output_kl_equals_the_per_token_oracle(rule):
         draft_probs, target_probs = process_logits(logits, config)
         oracle = kl_divergence(output_distribution(rule, draft_probs, target_probs), target_probs)
         assert output_kl(rule, draft_probs, target_probs) == pytest.approx(oracle, abs=1e-12)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_acceptance_rate_is_the_accepted_share_of_one_token_blocks(rule, sparse):
+    """The exact per-position acceptance rate against the share of k = 1 blocks `verify`
+    accepts (binomial test), and SpS's closed form Σ min(p, q)."""
+    draft_row, target_row = random_pair(np.random.default_rng(11), sparse=sparse)
+    rate = acceptance_rate(rule, draft_row, target_row)
+    rng = np.random.default_rng(12)
+    draft_probs, target_probs = stack([draft_row]), stack([target_row, target_row])
+    accepted = sum(
+        rule.verify(np.array([sample_token(draft_row, rng)]), draft_probs, target_probs, rng).n_accepted
+        for _ in range(4000)
+    )
+    assert stats.binomtest(accepted, 4000, rate).pvalue > ALPHA
+    if type(rule) is SpeculativeSampling:
+        assert rate == pytest.approx(np.minimum(to_dense(draft_row), to_dense(target_row)).sum())
