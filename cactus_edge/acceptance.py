@@ -381,9 +381,10 @@ class KLBudgetRule(AcceptanceRule):
     the chain rule the response-level KL is at most the expected ``spent``, which never exceeds the
     budget. Budget 0 is SpS by construction.
 
-    Dense rows (top-k off) cannot be measured cheaply over a real vocabulary: they are judged by
-    SpS. One instance per response: ``spent`` is its running sum. ``position_kls`` holds the KL of
-    each position judged by the last :meth:`verify` (0 for SpS positions).
+    A position whose KL is too costly to measure (:func:`kl_is_measurable`: a dense row, or a
+    support wider than MAX_KL_SUPPORT) is judged by SpS and spends nothing; later positions may
+    still be lossy. One instance per response: ``spent`` is its running sum. ``position_kls``
+    holds the KL of each position judged by the last :meth:`verify` (0 for SpS positions).
     """
 
     def __init__(self, rule: AcceptanceRule, budget: float) -> None:
@@ -420,10 +421,13 @@ class KLBudgetRule(AcceptanceRule):
         return Verdict(len(draft_tokens), bonus, tuple(accept_probs))
 
     def _rule_for(self, draft_row: ProbRows, target_row: ProbRows) -> tuple[AcceptanceRule, float]:
-        if not self.exhausted and self.budget > 0 and isinstance(target_row, SparseProbs):
-            kl = output_kl(self.rule, draft_row, target_row)
-            if self.spent + kl <= self.budget:
-                return self.rule, max(kl, 0.0)
+        if self.budget <= 0:
+            self.exhausted = True
+        if self.exhausted or not kl_is_measurable(draft_row, target_row):
+            return self.lossless_rule, 0.0
+        kl = output_kl(self.rule, draft_row, target_row)
+        if self.spent + kl <= self.budget:
+            return self.rule, max(kl, 0.0)
         self.exhausted = True  # lossless for the rest of the response
         return self.lossless_rule, 0.0
 
@@ -483,6 +487,20 @@ def output_distribution(
     if union_ids is None:
         return out
     return SparseProbs(union_ids, out, vocab_size)
+
+
+# The exact per-position KL is an s × m computation (draft support × union of supports): ~5 ms at
+# 256 × 512 on a laptop CPU, 0.6 s at 2,000 × 2,000. Wider positions go unmeasured.
+MAX_KL_SUPPORT = 256
+
+
+def kl_is_measurable(draft_probs_row: ProbRows, target_probs_row: ProbRows) -> bool:
+    """Whether output_kl is cheap for these rows: both sparse, neither support wider than
+    MAX_KL_SUPPORT (top-k rows, narrow top-p nuclei and lookup drafts are)."""
+    return all(
+        isinstance(row, SparseProbs) and np.count_nonzero(row.probs) <= MAX_KL_SUPPORT
+        for row in (draft_probs_row, target_probs_row)
+    )
 
 
 def acceptance_rate(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:

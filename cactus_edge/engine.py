@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import KLBudgetRule, output_kl
+from .acceptance import KLBudgetRule, kl_is_measurable, output_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
@@ -41,7 +41,7 @@ from .gguf_info import check_pair_compatible, read_gguf
 from .openai_compat import chat_completion
 from .output import Output
 from .prompts import Prompts
-from .sampling import SparseProbs, sample_token
+from .sampling import sample_token
 from .stats import GenerationResult, GenerationStats, StepProfiler, StepStats, StreamEvent
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
@@ -530,14 +530,15 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
 
 
 def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | None:
-    """Mean KL(out ‖ target) over the positions decided in a step (lossy rules, sparse rows)."""
+    """Mean KL(out ‖ target) over the positions decided in a step (lossy rules, measurable rows)."""
     if rule.lossless:
         return 0.0
     if isinstance(rule, KLBudgetRule):  # it measured each position to keep its budget
         return float(np.mean(rule.position_kls)) if rule.position_kls else None
-    if not isinstance(target_rows, SparseProbs):
-        return None
-    values = [output_kl(rule, draft_rows[i], target_rows[i]) for i in range(n_decided)]
+    pairs = [(draft_rows[i], target_rows[i]) for i in range(n_decided)]
+    if not all(kl_is_measurable(draft, target) for draft, target in pairs):
+        return None  # a dense or very wide row: too costly to measure (see MAX_KL_SUPPORT)
+    values = [output_kl(rule, draft, target) for draft, target in pairs]
     return float(np.mean(values)) if values else None
 
 

@@ -133,3 +133,29 @@ def test_top_p_without_top_k_is_judged_by_the_lossy_rule_within_its_budget(engin
     assert free.stats.kl_total > 0
     budgeted = engine.generate(PROMPT, GenerationConfig(**top_p_only, max_tokens=60, seed=2, kl_budget=2.0))
     assert 0 < budgeted.stats.kl_total <= 2.0 + 1e-12
+
+
+def test_an_unmeasurable_position_is_judged_by_sps_without_ending_the_budget():
+    """A dense row (or one wider than MAX_KL_SUPPORT) costs too much to measure: that position
+    is judged by SpS and spends nothing, and the next measurable position is lossy again."""
+    from cactus_edge.acceptance import MAX_KL_SUPPORT, kl_is_measurable
+    from cactus_edge.sampling import SparseProbs
+
+    draft_row, target_row = random_pair(np.random.default_rng(3), sparse=True, vocab_size=12)
+    dense_draft = to_dense(draft_row)
+    wide = SparseProbs(
+        np.arange(MAX_KL_SUPPORT + 1), np.full(MAX_KL_SUPPORT + 1, 1 / (MAX_KL_SUPPORT + 1)), 1000
+    )
+    assert kl_is_measurable(draft_row, target_row)
+    assert not kl_is_measurable(dense_draft, target_row) and not kl_is_measurable(wide, wide)
+    rule = KLBudgetRule(Cactus(1.0), budget=10.0)
+    token = int(draft_row.token_ids[np.argmax(draft_row.probs)])
+    rng = np.random.default_rng(0)
+    rule.verify(np.array([token]), [dense_draft], [target_row, target_row], rng)
+    assert rule.position_kls == (0.0,) and rule.spent == 0.0 and not rule.exhausted
+    rule.verify(np.array([token]), [draft_row], [target_row, target_row], rng)
+    assert rule.position_kls[0] > 0 and rule.spent == rule.position_kls[0]
+    from cactus_edge.engine import _step_kl
+
+    assert _step_kl(Cactus(1.0), [dense_draft], [target_row], 1) is None  # unmeasured, not slow
+    assert _step_kl(Cactus(1.0), [draft_row], [target_row], 1) > 0
