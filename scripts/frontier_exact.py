@@ -12,8 +12,9 @@ rows, the script computes for each rule
 - the exact probability that the draft's token is accepted (`acceptance.acceptance_rate`), and
 - the exact KL(out ‖ target) of the token the rule emits there (`acceptance.output_kl`).
 From the per-position rates it also gives the expected accepted drafts of a k-token block
-started at each position (the rates of the next k reference positions multiplied along the block:
-the AL the rule would have if the accepted drafts followed the reference text). 95% intervals
+started at each reference position (the rates of the next k positions multiplied along the
+block). That ranks the rules on equal footing, but it is not the AL `bench` measures: a decoder
+starts blocks only after a rejection or a bonus token, on its own text. 95% intervals
 come from resampling whole prompts (bootstrap, 2,000 draws). Reference replies are cached in
 the output folder, so a rerun with other rules reuses them.
 """
@@ -36,10 +37,16 @@ SAMPLING = SamplingConfig(temperature=0.6, top_k=20, top_p=0.95)
 
 
 def reference_replies(engine: Engine, prompts: list[dict], max_tokens: int, cache: Path) -> list[dict]:
-    """One reply per prompt sampled from the target: {prompt_tokens, reply_tokens}; cached."""
+    """One reply per prompt sampled from the target: {prompt_tokens, reply_tokens}; cached, and
+    reused only for the same prompt text, target file, token limit and sampling settings."""
+    key = {"target": Path(str(engine.target.path)).name, "max_tokens": max_tokens, "sampling": repr(SAMPLING)}
     done = {}
     if cache.exists():
-        done = {r["prompt"]: r for r in map(json.loads, cache.read_text().splitlines()) if r}
+        for record in map(json.loads, cache.read_text().splitlines()):
+            index = record["prompt"]
+            same_prompt = index < len(prompts) and record.get("text") == prompts[index]["prompt"]
+            if same_prompt and record.get("key") == key:
+                done[index] = record
     for index, entry in enumerate(prompts):
         if index in done:
             continue
@@ -49,7 +56,13 @@ def reference_replies(engine: Engine, prompts: list[dict], max_tokens: int, cach
             top_k=SAMPLING.top_k, top_p=SAMPLING.top_p,
         )  # fmt: skip
         reply = engine.generate(prompt_tokens, config)
-        done[index] = {"prompt": index, "prompt_tokens": prompt_tokens, "reply_tokens": reply.tokens}
+        done[index] = {
+            "prompt": index,
+            "text": entry["prompt"],
+            "key": key,
+            "prompt_tokens": prompt_tokens,
+            "reply_tokens": reply.tokens,
+        }
         with open(cache, "a") as handle:
             handle.write(json.dumps(done[index]) + "\n")
         print(f"reference {index:>2}: {len(reply.tokens)} tokens", flush=True)

@@ -44,6 +44,9 @@ def test_every_rule_is_judged_on_the_same_reference_positions(frontier, tiny_pai
             model.reset()
     assert per_prompt[0]["sps"][3, 0] == pytest.approx(np.minimum(to_dense(rows[0]), to_dense(rows[1])).sum())
     assert (tmp_path / "references.jsonl").read_text().count("\n") == 2
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        frontier.reference_replies(engine, prompts, 6, tmp_path / "references.jsonl")  # other limit
+    assert (tmp_path / "references.jsonl").read_text().count("\n") == 4  # not reused: generated anew
     for first, second in zip(per_prompt, again, strict=True):
         np.testing.assert_array_equal(first["sps"], second["sps"])
     for measured in per_prompt:
