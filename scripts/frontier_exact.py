@@ -138,6 +138,44 @@ def summarize(per_prompt: list[dict[str, np.ndarray]], k: int, rng: np.random.Ge
     return summary
 
 
+def paired_differences(
+    per_prompt: list[dict[str, np.ndarray]], summary: dict, rng: np.random.Generator
+) -> list:
+    """For each typical-acceptance threshold, the Cactus delta with the nearest mean KL, and the
+    differences (Cactus − TAS) in acceptance rate and KL per position with 95% intervals from
+    resampling prompts: both rules are judged on the same positions, so the pair is resampled
+    together and the interval is that of the difference."""
+    n = len(per_prompt)
+    resamples = [rng.integers(0, n, n) for _ in range(2000)]
+    cactus = [label for label in summary if label.startswith("cactus")]
+    out = []
+    for tas in (label for label in summary if label.startswith("tas")):
+        kl = summary[tas]["kl_per_position"]["mean"]
+        nearest = min(cactus, key=lambda label: abs(summary[label]["kl_per_position"]["mean"] - kl))
+        diffs = [p[nearest] - p[tas] for p in per_prompt]  # same positions, rate and KL columns
+
+        def pooled(chosen, diffs=diffs):
+            return np.concatenate([diffs[i] for i in chosen]).mean(axis=0)
+
+        point = pooled(range(n))
+        low, high = np.percentile(np.array([pooled(chosen) for chosen in resamples]), [2.5, 97.5], axis=0)
+        out.append((tas, nearest, point, low, high))
+    return out
+
+
+def paired_table(differences: list) -> str:
+    lines = [
+        "| TAS | Cactus (nearest KL) | acceptance rate, Cactus − TAS | KL per position, Cactus − TAS |",
+        "|---|---|---|---|",
+    ]
+    for tas, cactus, point, low, high in differences:
+        lines.append(
+            f"| {tas} | {cactus} | {point[0]:+.3f} ({low[0]:+.3f} to {high[0]:+.3f}) | "
+            f"{point[1]:+.4f} ({low[1]:+.4f} to {high[1]:+.4f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run(engine: Engine, prompts: list[dict], rules: dict, max_tokens: int, folder: Path) -> list[dict]:
     """Per prompt: measure()'s per-position arrays on that prompt's reference reply."""
     per_prompt = []
@@ -241,11 +279,17 @@ def main() -> None:
     with engine:
         per_prompt = run(engine, prompts, rules, args.max_tokens, folder)
     summary = summarize(per_prompt, args.k, np.random.default_rng(0))
+    np.savez_compressed(
+        folder / "positions.npz",
+        **{f"{label}|{index}": values for index, p in enumerate(per_prompt) for label, values in p.items()},
+    )  # (rate, KL) per position, per rule and prompt: for any later analysis
     n_positions = sum(len(next(iter(p.values()))) for p in per_prompt)
     text = (
         f"{len(per_prompt)} prompts, {n_positions} reply positions; temperature {SAMPLING.temperature}, "
         f"top-k {SAMPLING.top_k}, top-p {SAMPLING.top_p}; 95% intervals over prompts\n\n"
         + table(summary, args.k)
+        + "\nPaired differences (95% intervals resampling prompts, both rules together):\n\n"
+        + paired_table(paired_differences(per_prompt, summary, np.random.default_rng(1)))
     )
     (folder / "frontier.md").write_text(text)
     (folder / "frontier.json").write_text(json.dumps(summary, indent=2))
