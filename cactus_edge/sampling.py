@@ -286,8 +286,12 @@ MAX_SPARSE_NUCLEUS = 2048
 
 def _process_dense(rows: np.ndarray, config: SamplingConfig) -> ProbRows:
     if config.top_p < 1.0:
-        nuclei = [_nucleus(row, config, index) for index, row in enumerate(rows)]
-        if max(ids.size for ids, _ in nuclei) <= MAX_SPARSE_NUCLEUS:
+        nuclei = []
+        for index, row in enumerate(rows):
+            nuclei.append(_nucleus(row, config, index))
+            if nuclei[-1][0].size > MAX_SPARSE_NUCLEUS:
+                break  # one wide row makes the block dense: stop computing nuclei
+        else:
             return _apply_min_p_sparse(_stack_nuclei(nuclei, rows.shape[1]), config.min_p)
     probs = np.empty(rows.shape, dtype=np.float64)
     for index, row in enumerate(rows):

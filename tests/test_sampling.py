@@ -91,6 +91,11 @@ def test_a_wide_nucleus_stays_dense():
     logits = np.random.default_rng(1).standard_normal((2, 20_000)).astype(np.float32) * 0.01
     processed = process_logits(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=0.9))
     assert isinstance(processed, np.ndarray) and np.count_nonzero(processed[0]) > 10_000
+    mixed = logits.copy()
+    mixed[0, 7] = 50.0  # the first row is narrow, the second wide: the whole block is dense
+    processed = process_logits(mixed, SamplingConfig(temperature=1.0, top_k=0, top_p=0.9))
+    assert isinstance(processed, np.ndarray) and np.flatnonzero(processed[0]).tolist() == [7]
+    assert np.count_nonzero(processed[1]) > 10_000
 
 
 def test_nuclei_of_different_sizes_pad_with_unused_ids():
