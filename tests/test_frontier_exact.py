@@ -1,24 +1,18 @@
 """scripts/frontier_exact.py on the tiny pair: every rule judged on the same reference positions,
 with exact acceptance rates and KL per position."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from cactus_edge.engine import Engine
 from cactus_edge.sampling import process_logits, to_dense
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "frontier_exact.py"
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def frontier():
-    spec = importlib.util.spec_from_file_location("frontier_exact", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("frontier_exact")
 
 
 def test_block_acceptance_multiplies_the_rates_along_the_block(frontier):

@@ -1,21 +1,15 @@
 """scripts/soak.py on the tiny pair: a short soak runs every exit path and finds no inconsistency."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from cactus_edge.engine import Engine
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+from .conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def soak_module():
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("soak")
 
 
 def test_a_short_soak_on_the_tiny_pair_is_consistent(soak_module, tiny_pair):
