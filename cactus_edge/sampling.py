@@ -304,21 +304,28 @@ def _process_dense(rows: np.ndarray, config: SamplingConfig) -> ProbRows:
 def _nucleus(logits: np.ndarray, config: SamplingConfig, row_index: int) -> tuple[np.ndarray, np.ndarray]:
     """The top-p nucleus of one full row, exactly as the dense path keeps it: (ids int64 (m,),
     probs float64 (m,)), descending probability, renormalised. Only the softmax's exp and sum
-    touch all V entries; candidates come from a threshold, as in :func:`_apply_top_p_dense`."""
+    touch all V entries."""
     exp = _exp_row(logits, config.temperature, row_index)  # float32 (V,), max entry 1
-    total = exp.sum(dtype=np.float64)
-    threshold = 1e-3
+    ids, probs = _top_p_set(exp, exp.sum(dtype=np.float64), config.top_p)
+    return ids, probs / probs.sum()
+
+
+def _top_p_set(weights: np.ndarray, total: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of top entries of a non-negative row (V,) whose mass weights / total
+    reaches top_p (at least one entry), without sorting V entries: (ids, weights / total) by
+    descending weight, ties by id. Any set {weight >= t} is a top set, so once its mass reaches
+    top_p it contains the answer: lower t until it does, and sort only that set."""
+    threshold = weights.max() * 1e-3
     while True:
-        candidates = np.flatnonzero(exp >= threshold)
-        if exp[candidates].sum(dtype=np.float64) / total >= config.top_p or threshold == 0.0:
+        candidates = np.flatnonzero(weights >= threshold)
+        if weights[candidates].sum(dtype=np.float64) / total >= top_p or threshold == 0.0:
             break
-        threshold = threshold * 1e-3 if threshold > 1e-30 else 0.0
-    probs = exp[candidates].astype(np.float64) / total
+        threshold = threshold * 1e-3 if threshold > 1e-300 else 0.0
+    probs = weights[candidates].astype(np.float64) / total
     order = np.argsort(-probs, kind="stable")  # ties by id: candidates are ascending
     ids, probs = candidates[order], probs[order]
-    keep = (np.cumsum(probs) - probs) < config.top_p
-    ids, probs = ids[keep], probs[keep]
-    return ids, probs / probs.sum()
+    keep = (np.cumsum(probs) - probs) < top_p
+    return ids[keep], probs[keep]
 
 
 def _stack_nuclei(nuclei: list[tuple[np.ndarray, np.ndarray]], vocab_size: int) -> SparseProbs:
@@ -373,21 +380,10 @@ def _apply_top_p_sorted(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def _apply_top_p_dense(row: np.ndarray, top_p: float) -> np.ndarray:
-    """Top-p on one dense row without sorting V entries. Any set {prob >= t} is a top set, so
-    once its mass reaches top_p it contains the nucleus: lower t until it does, sort only it."""
-    threshold = row.max() * 1e-3
-    while True:
-        candidates = np.flatnonzero(row >= threshold)
-        if row[candidates].sum() >= top_p or threshold == 0.0:
-            break
-        threshold = threshold * 1e-3 if threshold > 1e-300 else 0.0
-    order = candidates[np.argsort(-row[candidates], kind="stable")]
-    sorted_probs = row[order]
-    mass_before = np.cumsum(sorted_probs) - sorted_probs
-    kept_ids = order[mass_before < top_p]
+    """Top-p on one dense probability row (V,), renormalised, without sorting V entries."""
+    kept_ids, kept = _top_p_set(row, 1.0, top_p)
     out = np.zeros_like(row)
-    out[kept_ids] = row[kept_ids]
-    out[kept_ids] /= out[kept_ids].sum()
+    out[kept_ids] = kept / kept.sum()
     return out
 
 
