@@ -425,6 +425,15 @@ class LlamaModel:
         llama_cpp.llama_memory_clear(self._memory, True)
         self.tokens.clear()
 
+    def teacher_forced(self, tokens: Sequence[int], output_rows: Sequence[int]) -> np.ndarray:
+        """Logits (len(output_rows), V) of a fixed text: ``tokens`` decoded from an empty cache
+        (in n_batch chunks), which is left empty again. For scoring, not for generating."""
+        self.reset()
+        try:
+            return self.decode(tokens, output_rows=output_rows)
+        finally:
+            self.reset()
+
 
 class _BatchArrays:
     """numpy views over a llama_batch's arrays: filling a block of k + 1 tokens is a few slice

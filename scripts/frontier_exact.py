@@ -76,11 +76,9 @@ def processed_rows(engine: Engine, prompt_tokens: list[int], reply_tokens: list[
     vocab_size = engine.target.vocab_size
     out = []
     for model in (engine.draft, engine.target):
-        model.reset()
-        logits = fit_logits_to_vocab(model.decode(tokens, output_rows=rows), vocab_size)
+        logits = fit_logits_to_vocab(model.teacher_forced(tokens, rows), vocab_size)
         processed = process_logits(logits, SAMPLING)
         out.append([widen_row(processed[i], vocab_size) for i in range(len(reply_tokens))])
-        model.reset()
     return out
 
 

@@ -72,15 +72,6 @@ def sample_continuation(
     return result.tokens, result.finish_reason == "stop"
 
 
-def teacher_forced_logits(model: LlamaModel, fed_ids: list[int], n_scored: int) -> np.ndarray:
-    """float32 logits (n_scored, V) of the last ``n_scored`` positions of ``fed_ids``, decoded
-    from an empty cache in one call (the backend splits it into n_batch chunks)."""
-    model.reset()
-    logits = model.decode(fed_ids, output_rows=range(len(fed_ids) - n_scored, len(fed_ids)))
-    model.reset()
-    return logits
-
-
 def log_softmax(rows: np.ndarray) -> np.ndarray:
     rows = rows.astype(np.float64)
     shifted = rows - rows.max(axis=1, keepdims=True)
@@ -106,8 +97,9 @@ def score_prompt(engine: Engine, candidate: LlamaModel, prompt_ids: list[int], a
     continuation, ended = sample_continuation(engine, prompt_ids, args.max_tokens, seed)
     n_scored = len(continuation) + ended
     fed_ids = (prompt_ids + continuation)[: len(prompt_ids) + n_scored - 1]
-    reference_logits = teacher_forced_logits(engine.target, fed_ids, n_scored)
-    candidate_logits = teacher_forced_logits(candidate, fed_ids, n_scored)
+    scored = range(len(fed_ids) - n_scored, len(fed_ids))
+    reference_logits = engine.target.teacher_forced(fed_ids, scored)
+    candidate_logits = candidate.teacher_forced(fed_ids, scored)
     kls, agrees = score_positions(reference_logits, candidate_logits)
     return {
         "n_prompt": len(prompt_ids),

@@ -44,6 +44,19 @@ def test_requested_rows_equal_one_token_at_a_time(draft):
     assert draft.n_past == len(tokens)
 
 
+def test_teacher_forced_rows_equal_a_fresh_decode_and_leave_the_cache_empty(draft):
+    tokens = draft.tokenize("the water is hot and the fire is warm")
+    draft.reset()
+    draft.decode(tokens[:2])  # whatever the cache held before is dropped first
+    rows = draft.teacher_forced(tokens, [3, len(tokens) - 1])
+    assert draft.n_past == 0 and draft.tokens == []
+    draft.reset()
+    expected = draft.decode(tokens[:4])[0]
+    draft.reset()
+    np.testing.assert_allclose(rows[0], expected, atol=LOGIT_ATOL)
+    assert rows.shape == (2, draft.vocab_size)
+
+
 @pytest.mark.parametrize("n_rows", [1, 5])
 def test_logits_without_copy_are_a_read_only_view_of_the_same_rows(draft, n_rows):
     # The engine's hot path reads llama.cpp's output buffer in place.
