@@ -34,7 +34,12 @@ class Variant:
     n_draft: int | str = "auto"
     drafter: str = "model"
     posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # typical acceptance only
-    kl_budget: float | None = None  # nats per response; lossy rules only, None = no budget
+    kl_budget: float | None = None  # nats per response; lossy rules only, None or inf = no budget
+
+    @property
+    def budget(self) -> float | None:
+        """The KL budget as the engine takes it: None for no budget (inf included, JSON-safe)."""
+        return None if self.kl_budget == float("inf") else self.kl_budget
 
     def config(self, seed: int, **settings) -> GenerationConfig:
         """The generation settings of this variant for one prompt."""
@@ -44,7 +49,7 @@ class Variant:
             n_draft=self.n_draft,
             drafter=self.drafter,
             posterior_threshold=self.posterior_threshold,
-            kl_budget=self.kl_budget if self.kl_budget != float("inf") else None,  # inf: no budget
+            kl_budget=self.budget,
             seed=seed,
             **settings,
         )
@@ -196,7 +201,7 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "kl_per_response": sum(r.get("kl_total") or 0.0 for r in runs) / len(runs),
             "kl_per_response_max": max(r.get("kl_total") or 0.0 for r in runs),
             "posterior_threshold": variant.posterior_threshold,
-            "kl_budget": variant.kl_budget if variant.kl_budget != float("inf") else None,  # JSON-safe
+            "kl_budget": variant.budget,
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,

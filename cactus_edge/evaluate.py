@@ -190,6 +190,7 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
     finish reason: when it has ``max_tokens`` tokens)."""
     records = [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
     by_variant = {v.label: {r["task_id"]: r for r in records if r["variant"] == v.label} for v in variants}
+    method_of = {v.label: v.method for v in variants}
     shared = set.intersection(*(set(rows) for rows in by_variant.values())) if by_variant else set()
     lines = [
         f"{len(shared)} problems run by every variant; pass@1 from one sample each, 95% Wilson interval\n",
@@ -205,8 +206,7 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
         al = sum(r["acceptance_length"] for r in runs) / max(len(runs), 1)
         tps = sorted(r["tokens_per_second"] for r in runs)[len(runs) // 2] if runs else 0.0
         kls = [r["kl_mean"] for r in runs if r.get("kl_mean") is not None]
-        lossless = next(v.method for v in variants if v.label == label) in LOSSLESS_METHODS
-        kl = f"{sum(kls) / len(kls):.4f}" if kls and not lossless else "–"
+        kl = f"{sum(kls) / len(kls):.4f}" if kls and method_of[label] not in LOSSLESS_METHODS else "–"
         limited = sum(_hit_limit(r, max_tokens) for r in runs)
         versus = "–"
         if reference and label in by_variant and rows is not reference:
