@@ -213,13 +213,10 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> ProbRows:
 
 def _process_top_k(rows: np.ndarray, config: SamplingConfig) -> SparseProbs:
     """Sparse path: only the top-k logits of each row are ever exponentiated; all rows at once."""
-    ids, values = top_k_logits(rows, config.top_k)
-    _check_finite(values.max(axis=-1))
-    # Descending logit, ties by id: the rows do not depend on how the top k were found.
-    order = np.lexsort((ids, -values), axis=-1)
-    row_index = np.arange(len(rows))[:, None]
-    ids, values = ids[row_index, order], values[row_index, order].astype(np.float64)
-    probs = _softmax(values / config.temperature)
+    ids, values = top_k_logits(rows, config.top_k)  # sorted: column 0 holds each row's max
+    scaled = values.astype(np.float64) / config.temperature
+    probs = np.exp(scaled - scaled[:, :1])
+    probs /= probs.sum(axis=-1, keepdims=True)
     probs = _apply_top_p_sorted(probs, config.top_p)
     probs = _apply_min_p(probs, config.min_p)
     return SparseProbs(ids, probs, rows.shape[1])
@@ -229,29 +226,50 @@ _GROUP_SIZE = 64
 
 
 def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """The n_keep largest logits of each row, exactly, in no particular order.
+    """The n_keep largest logits of each row, exactly, by descending value, ties by lower id (so
+    the result does not depend on how they were found).
 
     rows: (n, V) float32; returns (ids int64 (n, n_keep), values float32 (n, n_keep)).
+    Raises NonFiniteLogitsError for a row holding a NaN or +inf, or no finite logit.
+
     Each row is split into V / 64 interleaved groups (ids j, j + G, j + 2G, ...: a strided max
-    over contiguous memory is one vectorized pass). Every top-k entry lies in one of the n_keep
-    groups with the largest maxima, so only those 64·n_keep entries are ranked. NaN sorts as the
-    largest value, so a NaN anywhere in a row reaches the returned values.
+    over contiguous memory is one vectorized pass). Let ``floor`` be the n_keep-th largest group
+    maximum: at least n_keep entries reach it, so every top entry does too, and lies in a group
+    whose maximum reaches it. Only those groups' entries at or above ``floor`` are sorted (a few
+    dozen), never the row.
     """
     n_rows, vocab_size = rows.shape
-    row_index = np.arange(n_rows)[:, None]
     n_groups = vocab_size // _GROUP_SIZE
-    if n_groups < 8 * n_keep:  # small vocabulary: rank it all
-        ids = np.argpartition(rows, -n_keep, axis=-1)[:, -n_keep:]
-        return ids.astype(np.int64), rows[row_index, ids]
-    body = rows[:, : n_groups * _GROUP_SIZE].reshape(n_rows, _GROUP_SIZE, n_groups)
-    best_groups = np.argpartition(body.max(axis=1), -n_keep, axis=-1)[:, -n_keep:]
-    candidates = (best_groups[:, :, None] + _group_offsets(n_groups)).reshape(n_rows, -1)
-    if n_groups * _GROUP_SIZE < vocab_size:  # ids past the last whole group are all candidates
-        tail = np.arange(n_groups * _GROUP_SIZE, vocab_size)
-        candidates = np.concatenate([candidates, np.broadcast_to(tail, (n_rows, tail.size))], axis=1)
-    values = rows[row_index, candidates]
-    best = np.argpartition(values, -n_keep, axis=-1)[:, -n_keep:]
-    return candidates[row_index, best], values[row_index, best]
+    if n_groups < 8 * n_keep:  # small vocabulary: sort it all
+        return _top_k_by_sorting(rows, n_keep)
+    whole = n_groups * _GROUP_SIZE
+    group_max = rows[:, :whole].reshape(n_rows, _GROUP_SIZE, n_groups).max(axis=1)  # a NaN wins
+    top_groups = np.partition(group_max, -n_keep, axis=-1)[:, -n_keep:]  # NaN sorts last
+    floor = top_groups[:, 0]
+    tail = rows[:, whole:]  # ids past the last whole group: candidates of their own
+    row_max = top_groups.max(axis=-1)
+    _check_finite(np.maximum(row_max, tail.max(axis=-1)) if tail.size else row_max)
+    ids = np.empty((n_rows, n_keep), dtype=np.int64)
+    values = np.empty((n_rows, n_keep), dtype=rows.dtype)
+    offsets = _group_offsets(n_groups)
+    for index in range(n_rows):
+        groups = np.flatnonzero(group_max[index] >= floor[index])
+        candidates = (groups[:, None] + offsets).ravel()
+        if tail.size:
+            candidates = np.concatenate([candidates, whole + np.arange(tail.shape[1])])
+        candidate_values = rows[index, candidates]
+        keep = candidate_values >= floor[index]
+        candidates, candidate_values = candidates[keep], candidate_values[keep]
+        order = np.lexsort((candidates, -candidate_values))[:n_keep]
+        ids[index], values[index] = candidates[order], candidate_values[order]
+    return ids, values
+
+
+def _top_k_by_sorting(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
+    """top_k_logits for a small vocabulary: a stable sort of each whole row."""
+    _check_finite(rows.max(axis=-1))
+    ids = np.argsort(-rows, axis=-1, kind="stable")[:, :n_keep].astype(np.int64)
+    return ids, np.take_along_axis(rows, ids, axis=-1)
 
 
 _offsets: dict[tuple[int, int], np.ndarray] = {}
@@ -363,11 +381,6 @@ def _softmax_row(logits: np.ndarray, temperature: float, row_index: int = 0) -> 
     probs = _exp_row(logits, temperature, row_index).astype(np.float64)
     probs /= probs.sum()
     return probs
-
-
-def _softmax(scaled: np.ndarray) -> np.ndarray:
-    shifted = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
 def _apply_top_p_sorted(probs: np.ndarray, top_p: float) -> np.ndarray:
