@@ -27,7 +27,7 @@ from .adaptive import (
 )
 from .config import MAX_AUTO_DRAFT, GenerationConfig
 from .errors import NonFiniteLogitsError
-from .lookup import lookup_continuation, point_mass_rows
+from .lookup import NgramIndex, point_mass_rows
 from .sampling import ProbRows, fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
 from .stats import StepProfiler
 
@@ -238,9 +238,14 @@ class LookupDrafter:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.index = NgramIndex()
+
+    def continuation(self, committed: list[int], max_tokens: int) -> list[int]:
+        """What followed the context's last n-gram earlier on (see :class:`NgramIndex`)."""
+        return self.index.continuation(committed, max_tokens)
 
     def propose(self, committed: list[int], n_draft: int) -> Proposal:
-        tokens = lookup_continuation(committed, n_draft) if n_draft else []
+        tokens = self.continuation(committed, n_draft)
         return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, "lookup")
 
 
@@ -269,7 +274,7 @@ class FallbackDrafter:
             self.profile.lap("lookup")
             if proposal.tokens or self.name == "lookup":
                 return proposal
-        guess = lookup_continuation(committed, room - 1)
+        guess = self.lookup.continuation(committed, room - 1)
         self.profile.lap("lookup")
         source = "model/guided" if guess else "model"
         n_catch_up = self.model.catch_up_length(committed)

@@ -37,6 +37,55 @@ def lookup_continuation(
     return []
 
 
+class NgramIndex:
+    """:func:`lookup_continuation` for a context that only grows, in O(new tokens) per call.
+
+    For every n in min_ngram..max_ngram it maps each n-gram to its most recent start that has at
+    least one token after it, updated as tokens are appended, so a lookup is max_ngram dict probes
+    instead of a scan of the whole context (0.35 ms per step at a few hundred tokens, growing with
+    the context). The engine's context only grows within a generation; one that visibly does not
+    extend the indexed text (shorter, or another token where it ended) is indexed from scratch.
+    """
+
+    def __init__(self, *, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.latest_start: dict[int, dict[tuple[int, ...], int]] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tokens = []
+        self.latest_start = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+
+    def continuation(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Same result as ``lookup_continuation(context, max_tokens, ...)``; context (n,) ids."""
+        self._sync(context)
+        if max_tokens <= 0:
+            return []
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            start = self.latest_start[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start + n : start + n + max_tokens]
+        return []
+
+    def _sync(self, context: Sequence[int]) -> None:
+        n_known = len(self.tokens)
+        if len(context) < n_known or (n_known and context[n_known - 1] != self.tokens[-1]):
+            self._reset()
+            n_known = 0
+        for token in context[n_known:]:
+            self._append(int(token))
+
+    def _append(self, token: int) -> None:
+        # The n-grams ending just before the new token now have a token after them.
+        tokens = self.tokens
+        for n, starts in self.latest_start.items():
+            if len(tokens) >= n:
+                starts[tuple(tokens[-n:])] = len(tokens) - n
+        tokens.append(token)
+
+
 def point_mass_rows(tokens: Sequence[int], vocab_size: int) -> list[SparseProbs]:
     """One single-entry row per proposed token: the draft 'distribution' of a lookup proposal."""
     return [SparseProbs(np.array([token]), np.ones(1), vocab_size) for token in tokens]

@@ -15,7 +15,7 @@ from cactus_edge.adaptive import (
 )
 from cactus_edge.config import GenerationConfig
 from cactus_edge.drafters import DraftPlanner
-from cactus_edge.lookup import lookup_continuation, point_mass_rows
+from cactus_edge.lookup import NgramIndex, lookup_continuation, point_mass_rows
 
 
 def test_expected_tokens_is_one_plus_the_expected_accepted_prefix():
@@ -127,6 +127,32 @@ def test_lookup_matcher_on_crafted_contexts(context, n, expected):
 
 def test_unigram_matches_on_request():
     assert lookup_continuation([4, 5, 6, 7, 5], 4, min_ngram=1) == [6, 7, 5]
+
+
+@pytest.mark.parametrize(("min_ngram", "max_ngram"), [(2, 4), (1, 3), (3, 3)])
+def test_ngram_index_answers_as_the_full_scan_at_every_length(min_ngram, max_ngram):
+    # A 5-token vocabulary makes n-grams recur often; the context grows by 1–3 tokens per call,
+    # as committed text does, and every answer must equal a scan of the whole context.
+    rng = np.random.default_rng(min_ngram * 10 + max_ngram)
+    index = NgramIndex(min_ngram=min_ngram, max_ngram=max_ngram)
+    context: list[int] = []
+    n_found = 0
+    while len(context) < 400:
+        context.extend(rng.integers(0, 5, size=int(rng.integers(1, 4))).tolist())
+        max_tokens = int(rng.integers(0, 6))
+        expected = lookup_continuation(context, max_tokens, min_ngram=min_ngram, max_ngram=max_ngram)
+        assert index.continuation(context, max_tokens) == expected, len(context)
+        n_found += bool(expected)
+    assert n_found > 100
+
+
+def test_ngram_index_starts_over_for_a_context_that_does_not_extend_it():
+    index = NgramIndex()
+    assert index.continuation([1, 2, 3, 9, 1, 2], 2) == [3, 9]
+    other = [7, 8, 5, 7, 8]  # shorter: indexed from scratch
+    assert index.continuation(other, 2) == lookup_continuation(other, 2) == [5, 7]
+    diverged = [7, 8, 5, 6, 6, 7, 8]  # as long as before but another text
+    assert index.continuation(diverged, 3) == lookup_continuation(diverged, 3) == [5, 6, 6]
 
 
 def test_lookup_proposals_are_point_masses():
