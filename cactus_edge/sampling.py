@@ -236,7 +236,7 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
     over contiguous memory is one vectorized pass). Let ``floor`` be the n_keep-th largest group
     maximum: at least n_keep entries reach it, so every top entry does too, and lies in a group
     whose maximum reaches it. Only those groups' entries at or above ``floor`` are sorted (a few
-    dozen), never the row.
+    dozen); when many groups tie at the floor, the entries above it and the lowest ids at it.
     """
     n_rows, vocab_size = rows.shape
     n_groups = vocab_size // _GROUP_SIZE
@@ -254,6 +254,10 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
     offsets = _group_offsets(n_groups)
     for index in range(n_rows):
         groups = np.flatnonzero(group_max[index] >= floor[index])
+        if groups.size > 4 * n_keep:  # many groups tie at the floor (or it is -inf)
+            ids[index] = _top_k_around_floor(rows[index], floor[index], n_keep)
+            values[index] = rows[index, ids[index]]
+            continue
         candidates = (groups[:, None] + offsets).ravel()
         if tail.size:
             candidates = np.concatenate([candidates, whole + np.arange(tail.shape[1])])
@@ -263,6 +267,16 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
         order = np.lexsort((candidates, -candidate_values))[:n_keep]
         ids[index], values[index] = candidates[order], candidate_values[order]
     return ids, values
+
+
+def _top_k_around_floor(row: np.ndarray, floor: float, n_keep: int) -> np.ndarray:
+    """Top-k ids of one row (V,) given a value ``floor`` that at least n_keep entries reach and
+    fewer than n_keep groups exceed: the entries above it (at most 64·(n_keep − 1)), sorted, then
+    the lowest ids equal to it. Two passes over the row instead of sorting thousands of ties."""
+    above = np.flatnonzero(row > floor)
+    above = above[np.lexsort((above, -row[above]))][:n_keep]
+    at_floor = np.flatnonzero(row == floor)[: n_keep - above.size]
+    return np.concatenate([above, at_floor])
 
 
 def _top_k_by_sorting(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:

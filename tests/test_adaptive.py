@@ -151,7 +151,7 @@ def test_ngram_index_starts_over_for_a_context_that_does_not_extend_it():
     assert index.continuation([1, 2, 3, 9, 1, 2], 2) == [3, 9]
     other = [7, 8, 5, 7, 8]  # shorter: indexed from scratch
     assert index.continuation(other, 2) == lookup_continuation(other, 2) == [5, 7]
-    diverged = [7, 8, 5, 6, 6, 7, 8]  # as long as before but another text
+    diverged = [7, 8, 5, 6, 6, 7, 8]  # longer, another token where the indexed text ended
     assert index.continuation(diverged, 3) == lookup_continuation(diverged, 3) == [5, 6, 6]
 
 

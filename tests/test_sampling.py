@@ -148,6 +148,9 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
     rows[1, -37:] = 60.0 + np.arange(37)  # the tail (or the end of the last group)
     rows[2, rng.choice(vocab_size, 25, replace=False)] = 40.0
     rows[3] = 0.0  # everything tied
+    rows[4] = -np.inf  # finite in 3 groups only, 30 entries each: fewer groups than n_keep
+    finite = np.concatenate([g + n_groups * np.arange(30) for g in (5, 9, 11)])
+    rows[4, finite] = np.round(rng.standard_normal(finite.size))  # with ties
     for n_keep in (1, 20, 50):
         ids, values = top_k_logits(rows, n_keep)
         assert ids.shape == values.shape == (5, n_keep)
@@ -157,11 +160,14 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
             np.testing.assert_array_equal(row_ids, np.argsort(-row, kind="stable")[:n_keep])
 
 
-@pytest.mark.parametrize("where", [0, 12_345, 151_935])
+@pytest.mark.parametrize(
+    ("where", "vocab_size"), [(0, 151_936), (12_345, 151_936), (151_935, 151_936), (151_972, 151_973)]
+)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 @pytest.mark.parametrize("config", CONFIGS, ids=repr)
-def test_a_single_non_finite_logit_is_caught_on_every_path(config, bad, where):
-    logits = np.random.default_rng(where).standard_normal((3, 151_936)).astype(np.float32)
+def test_a_single_non_finite_logit_is_caught_on_every_path(config, bad, where, vocab_size):
+    # 151,973 = 64 · 2,374 + 37: the last id is past the last whole group of the top-k path.
+    logits = np.random.default_rng(where).standard_normal((3, vocab_size)).astype(np.float32)
     logits[1, where] = bad
     with pytest.raises(NonFiniteLogitsError) as caught:
         process_logits(logits, config)
