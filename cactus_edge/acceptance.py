@@ -29,6 +29,7 @@ __all__ = [
     "Verdict",
     "output_distribution",
     "output_kl",
+    "output_kls",
     "kl_divergence",
     "make_rule",
 ]
@@ -218,27 +219,27 @@ class SpeculativeSampling(AcceptanceRule):
     def raised_probs(self, target_probs: np.ndarray) -> np.ndarray:
         return target_probs
 
-    def output_on_union(self, draft_on: np.ndarray, target_on: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        """The exact output distribution on a shared index set, all drafted tokens at once (the
-        per-token law of :func:`output_distribution`, as a small matrix; same result).
+    def output_on_columns(self, draft_on: np.ndarray, target_on: np.ndarray) -> np.ndarray:
+        """The exact output distribution at n positions at once (the per-token law of
+        :func:`output_distribution` as small matrices; same result).
 
-        draft_on, target_on: p and q on the index set, shape (m,); drafted: the indices of p's
-        support, shape (s,). Returns out, shape (m,).
+        draft_on, target_on: p and q of each position on shared columns, shape (n, m): column j
+        of row i is one token for both (columns no row uses hold 0 in both). Every column is a
+        possible draft; those with p = 0 weigh nothing. Returns out, shape (n, m).
         """
-        draft_probs, target_probs = draft_on[drafted], target_on[drafted]
-        raised = self.raised_probs(target_probs)  # h_n(n)
-        accept = np.minimum(1.0, raised / draft_probs)
-        # h_n elsewhere: q scaled by (1 − h_n(n)) / (1 − q(n)); q itself where q(n) is 0 or 1.
-        movable = (target_probs > 0.0) & (target_probs < 1.0)
-        scale = np.where(movable, (1.0 - raised) / np.where(movable, 1.0 - target_probs, 1.0), 1.0)
-        modified = scale[:, None] * target_on[None, :]
-        modified[np.arange(len(drafted)), drafted] = np.where(movable, raised, target_probs)
-        excess = np.maximum(modified - draft_on[None, :], 0.0)
-        total = excess.sum(axis=1, keepdims=True)
+        drafted = draft_on > 0.0
+        raised = self.raised_probs(target_on)  # h_d(d) for every column d
+        accept = np.where(drafted, np.minimum(1.0, raised / np.where(drafted, draft_on, 1.0)), 0.0)
+        # h_d elsewhere: q scaled by (1 − h_d(d)) / (1 − q(d)); q itself where q(d) is 0 or 1.
+        movable = (target_on > 0.0) & (target_on < 1.0)
+        scale = np.where(movable, (1.0 - raised) / np.where(movable, 1.0 - target_on, 1.0), 1.0)
+        modified = scale[:, :, None] * target_on[:, None, :]  # (n, drafted d, token x)
+        diagonal = np.arange(target_on.shape[1])
+        modified[:, diagonal, diagonal] = np.where(movable, raised, target_on)
+        excess = np.maximum(modified - draft_on[:, None, :], 0.0)
+        total = excess.sum(axis=2, keepdims=True)
         residual = np.where(total > 1e-12, excess / np.where(total > 1e-12, total, 1.0), modified)
-        out = ((draft_probs * (1.0 - accept))[:, None] * residual).sum(axis=0)
-        out[drafted] += draft_probs * accept
-        return out
+        return np.einsum("nd,ndx->nx", draft_on * (1.0 - accept), residual) + draft_on * accept
 
 
 class Cactus(SpeculativeSampling):
@@ -320,13 +321,16 @@ class TypicalAcceptance(AcceptanceRule):
     def rejection_dist(self, token: int, draft: _Dist, target: _Dist, vocab_size: int) -> _Dist:
         return _Dist(np.array([_argmax(target)]), np.ones(1))
 
-    def output_on_union(self, draft_on: np.ndarray, target_on: np.ndarray, drafted: np.ndarray) -> np.ndarray:
-        """See :meth:`SpeculativeSampling.output_on_union`: accepted mass stays on the drafted
-        token, the rest goes to argmax q."""
-        accepted = target_on[drafted] > self.threshold(_Dist(None, target_on))
-        out = np.zeros_like(draft_on)
-        out[drafted[accepted]] = draft_on[drafted[accepted]]
-        out[int(np.argmax(target_on))] += draft_on[drafted[~accepted]].sum()
+    def output_on_columns(self, draft_on: np.ndarray, target_on: np.ndarray) -> np.ndarray:
+        """See :meth:`SpeculativeSampling.output_on_columns`: accepted mass stays on the drafted
+        token, the rest goes to argmax q (the first in column order, as :meth:`judge` picks it)."""
+        positive = target_on > 0.0
+        entropy = -np.where(positive, target_on * np.log(np.where(positive, target_on, 1.0)), 0.0).sum(axis=1)
+        threshold = np.minimum(self.posterior_threshold, self.posterior_alpha * np.exp(-entropy))
+        accepted = target_on > threshold[:, None]
+        out = np.where(accepted, draft_on, 0.0)
+        rows = np.arange(len(out))
+        out[rows, np.argmax(target_on, axis=1)] += np.where(accepted, 0.0, draft_on).sum(axis=1)
         return out
 
     def __repr__(self) -> str:
@@ -524,22 +528,49 @@ def kl_divergence(dist_a: ProbRows, dist_b: ProbRows) -> float:
 
 
 def output_kl(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:
-    """KL(out ‖ target) for one position: the fidelity cost of the rule there (0 when lossless).
-    For sparse rows and rules with a vectorized law (``output_on_union``), one small matrix
-    computation instead of the per-token oracle loop; both give the same distribution (tested)."""
+    """KL(out ‖ target) for one position: the fidelity cost of the rule there (0 when lossless)."""
+    return float(output_kls(rule, [draft_probs_row], [target_probs_row])[0])
+
+
+def output_kls(rule: AcceptanceRule, draft_rows, target_rows) -> np.ndarray:
+    """KL(out ‖ target) at each of n positions, shape (n,): draft_rows and target_rows are n rows
+    each (lists of single rows, or (n, V) blocks). Sparse rows and rules with a vectorized law
+    (``output_on_columns``) take one small matrix computation for all positions; anything else the
+    per-token oracle, position by position. Both give the same distributions (tested)."""
+    n_positions = len(draft_rows)
     if rule.lossless:
-        return 0.0
-    fast = getattr(rule, "output_on_union", None)
-    if (
-        fast is None
-        or not isinstance(draft_probs_row, SparseProbs)
-        or not isinstance(target_probs_row, SparseProbs)
-    ):
-        return kl_divergence(output_distribution(rule, draft_probs_row, target_probs_row), target_probs_row)
-    draft, target = _Dist.of(draft_probs_row), _Dist.of(target_probs_row)
-    ids, draft_on, target_on = _aligned(draft, target, target_probs_row.shape[-1])
-    out = fast(draft_on, target_on, np.searchsorted(ids, draft.ids))
-    mass = out > 0
-    if np.any(target_on[mass] <= 0):
-        return math.inf
-    return float(np.sum(out[mass] * np.log(out[mass] / target_on[mass])))
+        return np.zeros(n_positions)
+    rows = [(draft_rows[i], target_rows[i]) for i in range(n_positions)]
+    law = getattr(rule, "output_on_columns", None)
+    if law is None or not all(isinstance(r, SparseProbs) for pair in rows for r in pair):
+        return np.array([kl_divergence(output_distribution(rule, d, t), t) for d, t in rows])
+    draft_on, target_on = _shared_columns(rows)
+    out = law(draft_on, target_on)
+    mass = out > 0.0
+    infinite = np.any(mass & (target_on <= 0.0), axis=1)  # out puts mass where the target has none
+    ratio = np.where(mass, out / np.where(target_on > 0.0, target_on, 1.0), 1.0)
+    kls = np.where(mass, out * np.log(ratio), 0.0).sum(axis=1)
+    return np.where(infinite, math.inf, kls)
+
+
+def _shared_columns(rows: list[tuple[SparseProbs, SparseProbs]]) -> tuple[np.ndarray, np.ndarray]:
+    """(draft_on, target_on), shape (n, m): each position's target entries in their stored order,
+    then its draft entries the target lacks; padded with zeros to the widest position."""
+    target_ids = _padded([t.token_ids for _, t in rows], fill=-1)
+    target_on = _padded([t.probs for _, t in rows], fill=0.0)
+    draft_ids = _padded([d.token_ids for d, _ in rows], fill=-2)  # -2 matches no padded target id
+    draft_probs = _padded([d.probs for d, _ in rows], fill=0.0)
+    same = draft_ids[:, :, None] == target_ids[:, None, :]  # (n, draft entry, target entry)
+    draft_at_target = np.einsum("nd,ndt->nt", draft_probs, same.astype(np.float64))
+    draft_elsewhere = np.where(same.any(axis=2), 0.0, draft_probs)
+    draft_on = np.concatenate([draft_at_target, draft_elsewhere], axis=1)
+    return draft_on, np.concatenate([target_on, np.zeros_like(draft_elsewhere)], axis=1)
+
+
+def _padded(arrays: list[np.ndarray], fill) -> np.ndarray:
+    """Rows of different lengths as one (n, max length) array, padded with ``fill``."""
+    width = max(len(a) for a in arrays)
+    out = np.full((len(arrays), width), fill, dtype=np.result_type(arrays[0], type(fill)))
+    for index, values in enumerate(arrays):
+        out[index, : len(values)] = values
+    return out

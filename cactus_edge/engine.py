@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import KLBudgetRule, kl_is_measurable, output_kl
+from .acceptance import KLBudgetRule, kl_is_measurable, output_kls
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
@@ -535,11 +535,10 @@ def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | Non
         return 0.0
     if isinstance(rule, KLBudgetRule):  # it measured each position to keep its budget
         return float(np.mean(rule.position_kls)) if rule.position_kls else None
-    pairs = [(draft_rows[i], target_rows[i]) for i in range(n_decided)]
-    if not all(kl_is_measurable(draft, target) for draft, target in pairs):
+    drafts, targets = draft_rows[:n_decided], [target_rows[i] for i in range(n_decided)]
+    if not drafts or not all(kl_is_measurable(d, t) for d, t in zip(drafts, targets, strict=True)):
         return None  # a dense or very wide row: too costly to measure (see MAX_KL_SUPPORT)
-    values = [output_kl(rule, draft, target) for draft, target in pairs]
-    return float(np.mean(values)) if values else None
+    return float(np.mean(output_kls(rule, drafts, targets)))
 
 
 def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:

@@ -24,6 +24,7 @@ from cactus_edge.acceptance import (
     make_rule,
     output_distribution,
     output_kl,
+    output_kls,
 )
 from cactus_edge.sampling import SparseProbs, sample_token, to_dense
 
@@ -415,3 +416,31 @@ def test_acceptance_rate_is_the_accepted_share_of_one_token_blocks(rule, sparse)
     assert stats.binomtest(accepted, 4000, rate).pvalue > ALPHA
     if type(rule) is SpeculativeSampling:
         assert rate == pytest.approx(np.minimum(to_dense(draft_row), to_dense(target_row)).sum())
+
+
+@pytest.mark.parametrize(
+    "rule", [Cactus(0.5), Cactus(2.0), TypicalAcceptance(), TypicalAcceptance(0.3, 0.1)], ids=repr
+)
+def test_output_kls_of_a_whole_step_equal_the_oracle_position_by_position(rule):
+    # The engine measures all positions of a step at once: rows of different widths (model drafts
+    # with top-p padding, one-token lookup drafts, drafts the target never proposes) share one
+    # padded matrix computation, which must not leak between positions.
+    from cactus_edge.sampling import SamplingConfig, process_logits
+
+    rng = np.random.default_rng(11)
+    for _ in range(60):
+        n_positions = int(rng.integers(1, 7))
+        config = SamplingConfig(temperature=rng.uniform(0.3, 1.5), top_k=int(rng.integers(2, 30)), top_p=0.9)
+        logits = rng.standard_normal((2 * n_positions, 300)).astype(np.float32) * rng.uniform(0.5, 4)
+        target_rows = process_logits(logits[:n_positions], config)
+        drafts = []
+        for position, row in enumerate(process_logits(logits[n_positions:], config)):
+            if rng.random() < 0.3:  # a lookup draft: a point mass, inside or outside the target's top-k
+                token = int(rng.choice([target_rows[position].token_ids[0], rng.integers(0, 300)]))
+                row = SparseProbs(np.array([token]), np.ones(1), 300)
+            drafts.append(row)
+        targets = [target_rows[i] for i in range(n_positions)]
+        oracle = [
+            kl_divergence(output_distribution(rule, d, t), t) for d, t in zip(drafts, targets, strict=True)
+        ]
+        np.testing.assert_allclose(output_kls(rule, drafts, targets), oracle, rtol=0, atol=1e-12)

@@ -34,8 +34,8 @@ def use_reference_paths(monkeypatch) -> None:
     monkeypatch.setattr(backend.LlamaModel, "decode", lambda self, *a, copy=True, **k: decode(self, *a, **k))
     monkeypatch.setattr(sampling, "top_k_logits", reference_top_k)
     monkeypatch.setattr(backend._BatchArrays, "fill", per_token_fill)
-    monkeypatch.delattr(acceptance.SpeculativeSampling, "output_on_union")
-    monkeypatch.delattr(acceptance.TypicalAcceptance, "output_on_union")
+    monkeypatch.delattr(acceptance.SpeculativeSampling, "output_on_columns")
+    monkeypatch.delattr(acceptance.TypicalAcceptance, "output_on_columns")
 
 
 CASES = {
