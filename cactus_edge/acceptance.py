@@ -408,8 +408,9 @@ class KLBudgetRule(AcceptanceRule):
         vocab_size = _check_block(draft_tokens, draft_probs, target_probs)
         accept_probs: list[float] = []
         kls: list[float] = []
+        lossy_kls = self._lossy_kls(draft_probs, target_probs, len(draft_tokens))
         for position, token in enumerate(draft_tokens.tolist()):
-            rule, kl = self._rule_for(draft_probs[position], target_probs[position])
+            rule, kl = self._rule_for(lossy_kls[position])
             draft, target = _Dist.of(draft_probs[position]), _Dist.of(target_probs[position])
             if draft.prob(token) <= 0.0:
                 raise ValueError(f"draft token {token} at position {position} has zero draft probability")
@@ -424,12 +425,26 @@ class KLBudgetRule(AcceptanceRule):
         bonus = sample_token(target_probs[len(draft_tokens)], rng)
         return Verdict(len(draft_tokens), bonus, tuple(accept_probs))
 
-    def _rule_for(self, draft_row: ProbRows, target_row: ProbRows) -> tuple[AcceptanceRule, float]:
+    def _lossy_kls(self, draft_probs, target_probs, n_draft: int) -> np.ndarray:
+        """The KL the lossy rule would add at each position, shape (n_draft,); NaN where it is
+        not measurable. All measurable positions in one computation (they depend on the rows
+        only), unless the budget is already spent."""
+        kls = np.full(n_draft, np.nan)
+        if self.exhausted or self.budget <= 0:
+            return kls
+        measurable = [i for i in range(n_draft) if kl_is_measurable(draft_probs[i], target_probs[i])]
+        if measurable:
+            rows = [draft_probs[i] for i in measurable], [target_probs[i] for i in measurable]
+            kls[measurable] = output_kls(self.rule, *rows)
+        return kls
+
+    def _rule_for(self, kl: float) -> tuple[AcceptanceRule, float]:
+        """The rule for the next position given the KL the lossy rule would add there (NaN: not
+        measurable, judged by SpS without spending)."""
         if self.budget <= 0:
             self.exhausted = True
-        if self.exhausted or not kl_is_measurable(draft_row, target_row):
+        if self.exhausted or math.isnan(kl):
             return self.lossless_rule, 0.0
-        kl = output_kl(self.rule, draft_row, target_row)
         if self.spent + kl <= self.budget:
             return self.rule, max(kl, 0.0)
         self.exhausted = True  # lossless for the rest of the response

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from cactus_edge.acceptance import Cactus, KLBudgetRule, TypicalAcceptance, output_distribution
+from cactus_edge.acceptance import Cactus, KLBudgetRule, TypicalAcceptance, output_distribution, output_kl
 from cactus_edge.engine import Engine, GenerationConfig
 from cactus_edge.errors import InvalidSettingError
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
@@ -155,6 +155,14 @@ def test_an_unmeasurable_position_is_judged_by_sps_without_ending_the_budget():
     assert rule.position_kls == (0.0,) and rule.spent == 0.0 and not rule.exhausted
     rule.verify(np.array([token]), [draft_row], [target_row, target_row], rng)
     assert rule.position_kls[0] > 0 and rule.spent == rule.position_kls[0]
+    # Both kinds in one block: the first position (a dense copy of the target, so always
+    # accepted) spends nothing, the second spends exactly its own KL.
+    same_as_target = to_dense(target_row)
+    first = int(target_row.token_ids[np.argmax(target_row.probs)])
+    spent_before = rule.spent
+    rule.verify(np.array([first, token]), [same_as_target, draft_row], [target_row] * 3, rng)
+    assert rule.position_kls == (0.0, pytest.approx(output_kl(Cactus(1.0), draft_row, target_row)))
+    assert rule.spent == pytest.approx(spent_before + rule.position_kls[1])
     from cactus_edge.engine import _step_kl
 
     assert _step_kl(Cactus(1.0), [dense_draft], [target_row], 1) is None  # unmeasured, not slow
