@@ -18,61 +18,77 @@ def openai_finish(reason: str | None) -> str:
 
 def response_blocks(stats: GenerationStats, config: GenerationConfig, job: Job) -> dict:
     """usage, llama-server ``timings``, LM Studio ``stats`` and our ``speculative`` block."""
-    cached = stats.n_prompt_tokens - stats.n_prompt_decoded
-    decided = sum(step.n_decided for step in stats.steps)
-    end = time.perf_counter()
-    first = job.first_token if job.first_token is not None else end
-    prompt_per_second = stats.n_prompt_decoded / (stats.prefill_ms / 1000) if stats.prefill_ms > 0 else 0.0
     return {
-        "usage": {
-            "prompt_tokens": stats.n_prompt_tokens,
-            "completion_tokens": stats.n_tokens,
-            "total_tokens": stats.n_prompt_tokens + stats.n_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        },
-        "timings": {
-            "cache_n": cached,
-            "prompt_n": stats.n_prompt_decoded,
-            "prompt_ms": stats.prefill_ms,
-            "prompt_per_token_ms": stats.prefill_ms / stats.n_prompt_decoded
-            if stats.n_prompt_decoded
-            else 0.0,
-            "prompt_per_second": prompt_per_second,
-            "predicted_n": stats.n_tokens,
-            "predicted_ms": stats.decode_ms,
-            "predicted_per_token_ms": stats.decode_ms / stats.n_tokens if stats.n_tokens else 0.0,
-            "predicted_per_second": stats.tokens_per_second,
-            "draft_n": stats.n_drafted,
-            "draft_n_accepted": stats.n_accepted,
-        },
-        "stats": {
-            "tokens_per_second": stats.tokens_per_second,
-            "time_to_first_token": first - job.arrived,
-            "generation_time": end - (job.started or job.arrived),
-            "queue_time": (job.started or end) - job.arrived,
-            "stop_reason": stats.finish_reason,
-            "total_draft_tokens_count": stats.n_drafted,
-            "accepted_draft_tokens_count": stats.n_accepted,
-            "rejected_draft_tokens_count": stats.n_drafted - stats.n_accepted,
-            "ignored_draft_tokens_count": stats.n_drafted - decided,
-        },
-        "speculative": {
-            "method": stats.method,
-            "delta": config.delta if config.method == "cactus" else None,
-            "lossless": not stats.lossy,
-            "n_draft": config.n_draft,
-            "drafter": config.drafter if config.method != "none" else None,
-            "acceptance_length": stats.acceptance_length,
-            "tokens_per_verifier_call": stats.tokens_per_verifier_call,
-            "verifier_calls": stats.n_verifier_calls,
-            "drafted": stats.n_drafted,
-            "accepted": stats.n_accepted,
-            "draft_length_histogram": {str(k): v for k, v in stats.draft_length_histogram.items()},
-            "accepted_by_position": list(stats.accepted_by_position),
-            "kl_mean": stats.kl_mean,
-            "kl_total": stats.kl_total,
-            "kl_budget": getattr(config, "kl_budget", None),
-        },
+        "usage": _usage(stats),
+        "timings": _timings(stats),
+        "stats": _lm_studio_stats(stats, job, end=time.perf_counter()),
+        "speculative": _speculative(stats, config),
+    }
+
+
+def _usage(stats: GenerationStats) -> dict:
+    """OpenAI's usage block; cached tokens are the prompt prefix reused from the last request."""
+    return {
+        "prompt_tokens": stats.n_prompt_tokens,
+        "completion_tokens": stats.n_tokens,
+        "total_tokens": stats.n_prompt_tokens + stats.n_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.n_prompt_tokens - stats.n_prompt_decoded},
+    }
+
+
+def _timings(stats: GenerationStats) -> dict:
+    """llama-server's ``timings`` block (same names and meanings)."""
+    decoded, prefill_ms = stats.n_prompt_decoded, stats.prefill_ms
+    return {
+        "cache_n": stats.n_prompt_tokens - decoded,
+        "prompt_n": decoded,
+        "prompt_ms": prefill_ms,
+        "prompt_per_token_ms": prefill_ms / decoded if decoded else 0.0,
+        "prompt_per_second": decoded / (prefill_ms / 1000) if prefill_ms > 0 else 0.0,
+        "predicted_n": stats.n_tokens,
+        "predicted_ms": stats.decode_ms,
+        "predicted_per_token_ms": stats.decode_ms / stats.n_tokens if stats.n_tokens else 0.0,
+        "predicted_per_second": stats.tokens_per_second,
+        "draft_n": stats.n_drafted,
+        "draft_n_accepted": stats.n_accepted,
+    }
+
+
+def _lm_studio_stats(stats: GenerationStats, job: Job, end: float) -> dict:
+    """LM Studio's ``stats`` block; times in seconds from the job's arrival, queueing included."""
+    first = job.first_token if job.first_token is not None else end
+    decided = sum(step.n_decided for step in stats.steps)
+    return {
+        "tokens_per_second": stats.tokens_per_second,
+        "time_to_first_token": first - job.arrived,
+        "generation_time": end - (job.started or job.arrived),
+        "queue_time": (job.started or end) - job.arrived,
+        "stop_reason": stats.finish_reason,
+        "total_draft_tokens_count": stats.n_drafted,
+        "accepted_draft_tokens_count": stats.n_accepted,
+        "rejected_draft_tokens_count": stats.n_drafted - stats.n_accepted,
+        "ignored_draft_tokens_count": stats.n_drafted - decided,
+    }
+
+
+def _speculative(stats: GenerationStats, config: GenerationConfig) -> dict:
+    """Our own block: the settings that produced the reply and what speculation did."""
+    return {
+        "method": stats.method,
+        "delta": config.delta if config.method == "cactus" else None,
+        "lossless": not stats.lossy,
+        "n_draft": config.n_draft,
+        "drafter": config.drafter if config.method != "none" else None,
+        "acceptance_length": stats.acceptance_length,
+        "tokens_per_verifier_call": stats.tokens_per_verifier_call,
+        "verifier_calls": stats.n_verifier_calls,
+        "drafted": stats.n_drafted,
+        "accepted": stats.n_accepted,
+        "draft_length_histogram": {str(k): v for k, v in stats.draft_length_histogram.items()},
+        "accepted_by_position": list(stats.accepted_by_position),
+        "kl_mean": stats.kl_mean,
+        "kl_total": stats.kl_total,
+        "kl_budget": getattr(config, "kl_budget", None),
     }
 
 
