@@ -324,9 +324,9 @@ class TypicalAcceptance(AcceptanceRule):
     def output_on_columns(self, draft_on: np.ndarray, target_on: np.ndarray) -> np.ndarray:
         """See :meth:`SpeculativeSampling.output_on_columns`: accepted mass stays on the drafted
         token, the rest goes to argmax q (the first in column order, as :meth:`judge` picks it)."""
-        positive = target_on > 0.0
-        entropy = -np.where(positive, target_on * np.log(np.where(positive, target_on, 1.0)), 0.0).sum(axis=1)
-        threshold = np.minimum(self.posterior_threshold, self.posterior_alpha * np.exp(-entropy))
+        # The threshold row by row with judge's own arithmetic: q(d) can equal α·e^−H to the
+        # last bit (a uniform q with α = 1), and a sum rounded another way would flip the test.
+        threshold = np.array([self.threshold(_Dist(None, row[row > 0.0])) for row in target_on])
         accepted = target_on > threshold[:, None]
         out = np.where(accepted, draft_on, 0.0)
         rows = np.arange(len(out))
@@ -569,12 +569,15 @@ def output_kls(rule: AcceptanceRule, draft_rows, target_rows) -> np.ndarray:
 
 
 def _shared_columns(rows: list[tuple[SparseProbs, SparseProbs]]) -> tuple[np.ndarray, np.ndarray]:
-    """(draft_on, target_on), shape (n, m): each position's target entries in their stored order,
-    then its draft entries the target lacks; padded with zeros to the widest position."""
-    target_ids = _padded([t.token_ids for _, t in rows], fill=-1)
-    target_on = _padded([t.probs for _, t in rows], fill=0.0)
-    draft_ids = _padded([d.token_ids for d, _ in rows], fill=-2)  # -2 matches no padded target id
-    draft_probs = _padded([d.probs for d, _ in rows], fill=0.0)
+    """(draft_on, target_on), shape (n, m): each position's target support in its stored order,
+    then the draft support the target lacks; padded with zeros to the widest position. Supports,
+    not stored rows: a row's zero entries (top-p/min-p padding, up to MAX_SPARSE_NUCLEUS wide)
+    would make the (n, m, m) law cost what the real supports never need."""
+    supports = [(row_support(d), row_support(t)) for d, t in rows]
+    target_ids = _padded([t[0] for _, t in supports], fill=-1)
+    target_on = _padded([t[1] for _, t in supports], fill=0.0)
+    draft_ids = _padded([d[0] for d, _ in supports], fill=-2)  # -2 matches no padded target id
+    draft_probs = _padded([d[1] for d, _ in supports], fill=0.0)
     same = draft_ids[:, :, None] == target_ids[:, None, :]  # (n, draft entry, target entry)
     draft_at_target = np.einsum("nd,ndt->nt", draft_probs, same.astype(np.float64))
     draft_elsewhere = np.where(same.any(axis=2), 0.0, draft_probs)

@@ -444,3 +444,35 @@ def test_output_kls_of_a_whole_step_equal_the_oracle_position_by_position(rule):
             kl_divergence(output_distribution(rule, d, t), t) for d, t in zip(drafts, targets, strict=True)
         ]
         np.testing.assert_allclose(output_kls(rule, drafts, targets), oracle, rtol=0, atol=1e-12)
+
+
+def test_output_kls_works_on_supports_not_on_stored_widths():
+    # top-k 1,000 with a tight top-p stores 1,000 entries per row, nearly all of them zero: the
+    # shared columns (and the (n, m, m) law) must be as wide as the supports, not the rows.
+    from cactus_edge.acceptance import _shared_columns
+    from cactus_edge.sampling import SamplingConfig, process_logits
+
+    logits = np.random.default_rng(5).standard_normal((6, 2000)).astype(np.float32) * 3
+    rows = process_logits(logits, SamplingConfig(temperature=0.7, top_k=1000, top_p=0.5))
+    drafts, targets = [rows[i] for i in range(3)], [rows[i] for i in range(3, 6)]
+    assert drafts[0].token_ids.size == 1000
+    widest = max(np.count_nonzero(d.probs) for d in drafts) + max(np.count_nonzero(t.probs) for t in targets)
+    draft_on, target_on = _shared_columns(list(zip(drafts, targets, strict=True)))
+    assert draft_on.shape[1] == target_on.shape[1] <= widest < 200
+    oracle = [
+        kl_divergence(output_distribution(Cactus(1.0), d, t), t) for d, t in zip(drafts, targets, strict=True)
+    ]
+    np.testing.assert_allclose(output_kls(Cactus(1.0), drafts, targets), oracle, rtol=0, atol=1e-12)
+
+
+def test_typical_acceptance_ties_at_the_threshold_are_decided_as_judge_decides_them():
+    # A uniform q with alpha = 1: q(d) = 1/m and the threshold alpha·exp(−H) = exp(−log m) agree
+    # up to rounding, so the batched law must round exactly as the rule's own threshold does (an
+    # entropy summed over the padded columns, 10 draft ids outside q here, flips m = 9, 10, 12, 18).
+    rule = TypicalAcceptance(posterior_threshold=1.0, posterior_alpha=1.0)
+    draft_ids = np.concatenate([[0, 1], np.arange(40, 50)])
+    draft_row = SparseProbs(draft_ids, np.full(draft_ids.size, 1.0 / draft_ids.size), 50)
+    for size in (9, 10, 12, 18):
+        target_row = SparseProbs(np.arange(size), np.full(size, 1.0 / size), 50)
+        oracle = kl_divergence(output_distribution(rule, draft_row, target_row), target_row)
+        assert output_kls(rule, [draft_row], [target_row])[0] == pytest.approx(oracle, abs=1e-12)
