@@ -224,22 +224,35 @@ class SpeculativeSampling(AcceptanceRule):
         :func:`output_distribution` as small matrices; same result).
 
         draft_on, target_on: p and q of each position on shared columns, shape (n, m): column j
-        of row i is one token for both (columns no row uses hold 0 in both). Every column is a
-        possible draft; those with p = 0 weigh nothing. Returns out, shape (n, m).
+        of row i is one token for both (columns no row uses hold 0 in both). Returns out, shape
+        (n, m). The work is (n, s, m) for s the widest draft support, as in the per-token law.
         """
-        drafted = draft_on > 0.0
-        raised = self.raised_probs(target_on)  # h_d(d) for every column d
-        accept = np.where(drafted, np.minimum(1.0, raised / np.where(drafted, draft_on, 1.0)), 0.0)
+        drafted = _drafted_columns(draft_on)  # (n, s): each row's draft support, then p = 0 fillers
+        draft_probs = np.take_along_axis(draft_on, drafted, axis=1)
+        target_probs = np.take_along_axis(target_on, drafted, axis=1)
+        raised = self.raised_probs(target_probs)  # h_d(d)
+        positive = draft_probs > 0.0
+        accept = np.where(positive, np.minimum(1.0, raised / np.where(positive, draft_probs, 1.0)), 0.0)
         # h_d elsewhere: q scaled by (1 − h_d(d)) / (1 − q(d)); q itself where q(d) is 0 or 1.
-        movable = (target_on > 0.0) & (target_on < 1.0)
-        scale = np.where(movable, (1.0 - raised) / np.where(movable, 1.0 - target_on, 1.0), 1.0)
+        movable = (target_probs > 0.0) & (target_probs < 1.0)
+        scale = np.where(movable, (1.0 - raised) / np.where(movable, 1.0 - target_probs, 1.0), 1.0)
         modified = scale[:, :, None] * target_on[:, None, :]  # (n, drafted d, token x)
-        diagonal = np.arange(target_on.shape[1])
-        modified[:, diagonal, diagonal] = np.where(movable, raised, target_on)
+        at_drafted = np.where(movable, raised, target_probs)[:, :, None]
+        np.put_along_axis(modified, drafted[:, :, None], at_drafted, axis=2)
         excess = np.maximum(modified - draft_on[:, None, :], 0.0)
         total = excess.sum(axis=2, keepdims=True)
         residual = np.where(total > 1e-12, excess / np.where(total > 1e-12, total, 1.0), modified)
-        return np.einsum("nd,ndx->nx", draft_on * (1.0 - accept), residual) + draft_on * accept
+        out = np.einsum("nd,ndx->nx", draft_probs * (1.0 - accept), residual)
+        kept = np.zeros_like(out)
+        np.put_along_axis(kept, drafted, draft_probs * accept, axis=1)  # columns unique per row
+        return out + kept
+
+
+def _drafted_columns(draft_on: np.ndarray) -> np.ndarray:
+    """Column indices (n, s), s the widest support: each row's columns with p > 0 first, then
+    distinct columns with p = 0 (they weigh nothing)."""
+    width = int(np.count_nonzero(draft_on > 0.0, axis=1).max())
+    return np.argsort(draft_on <= 0.0, axis=1, kind="stable")[:, :width]
 
 
 class Cactus(SpeculativeSampling):
@@ -508,6 +521,11 @@ def output_distribution(
     return SparseProbs(union_ids, out, vocab_size)
 
 
+# Positions are measured together while their rows are at most this wide (top-k 20 rows, lookup
+# drafts): padding every position to the widest costs less than a call per position. Wider
+# nuclei differ in width by position, and padding would multiply the work (3× at widths 60–200).
+MAX_BATCHED_KL_WIDTH = 64
+
 # The exact per-position KL is an s × m computation (draft support × union of supports): ~5 ms at
 # 256 × 512 on a laptop CPU, 0.6 s at 2,000 × 2,000. Wider positions go unmeasured.
 MAX_KL_SUPPORT = 256
@@ -559,6 +577,8 @@ def output_kls(rule: AcceptanceRule, draft_rows, target_rows) -> np.ndarray:
     law = getattr(rule, "output_on_columns", None)
     if law is None or not all(isinstance(r, SparseProbs) for pair in rows for r in pair):
         return np.array([kl_divergence(output_distribution(rule, d, t), t) for d, t in rows])
+    if n_positions > 1 and max(r.token_ids.size for pair in rows for r in pair) > MAX_BATCHED_KL_WIDTH:
+        return np.concatenate([output_kls(rule, [d], [t]) for d, t in rows])
     draft_on, target_on = _shared_columns(rows)
     out = law(draft_on, target_on)
     mass = out > 0.0
