@@ -571,7 +571,7 @@ def output_kls(rule: AcceptanceRule, draft_rows, target_rows) -> np.ndarray:
     (``output_on_columns``) take one small matrix computation for all positions; anything else the
     per-token oracle, position by position. Both give the same distributions (tested)."""
     n_positions = len(draft_rows)
-    if rule.lossless:
+    if rule.lossless or n_positions == 0:
         return np.zeros(n_positions)
     rows = [(draft_rows[i], target_rows[i]) for i in range(n_positions)]
     law = getattr(rule, "output_on_columns", None)
@@ -592,7 +592,7 @@ def _shared_columns(rows: list[tuple[SparseProbs, SparseProbs]]) -> tuple[np.nda
     """(draft_on, target_on), shape (n, m): each position's target support in its stored order,
     then the draft support the target lacks; padded with zeros to the widest position. Supports,
     not stored rows: a row's zero entries (top-p/min-p padding, up to MAX_SPARSE_NUCLEUS wide)
-    would make the (n, m, m) law cost what the real supports never need."""
+    would widen the (n, s, m) law with columns that carry no mass."""
     supports = [(row_support(d), row_support(t)) for d, t in rows]
     target_ids = _padded([t[0] for _, t in supports], fill=-1)
     target_on = _padded([t[1] for _, t in supports], fill=0.0)
