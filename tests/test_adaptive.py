@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from numpy.lib.stride_tricks import sliding_window_view
 
 from cactus_edge.adaptive import (
     MIN_PROBE_INTERVAL,
@@ -15,7 +16,7 @@ from cactus_edge.adaptive import (
 )
 from cactus_edge.config import GenerationConfig
 from cactus_edge.drafters import DraftPlanner
-from cactus_edge.lookup import NgramIndex, lookup_continuation, point_mass_rows
+from cactus_edge.lookup import NgramIndex, point_mass_rows
 
 
 def test_expected_tokens_is_one_plus_the_expected_accepted_prefix():
@@ -110,6 +111,22 @@ def test_acceptance_tracker_moves_towards_observed_probabilities():
     assert tracker.rates[2] == pytest.approx(0.6)  # never observed: the prior
 
 
+def lookup_continuation(context, max_tokens, *, max_ngram=4, min_ngram=2):
+    """The full scan NgramIndex replaced: every n-gram window of the context compared with its
+    last n tokens, longest n first, the most recent match with a token after it. Slow and
+    obviously right."""
+    tokens = np.asarray(context, dtype=np.int64)
+    if max_tokens <= 0:
+        return []
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            begin = int(starts[-1]) + n
+            return tokens[begin : begin + max_tokens].tolist()
+    return []
+
+
 @pytest.mark.parametrize(
     ("context", "n", "expected"),
     [
@@ -122,11 +139,12 @@ def test_acceptance_tracker_moves_towards_observed_probabilities():
     ],
 )
 def test_lookup_matcher_on_crafted_contexts(context, n, expected):
-    assert lookup_continuation(context, n) == expected
+    assert NgramIndex().continuation(context, n) == expected
+    assert lookup_continuation(context, n) == expected  # the reference agrees
 
 
 def test_unigram_matches_on_request():
-    assert lookup_continuation([4, 5, 6, 7, 5], 4, min_ngram=1) == [6, 7, 5]
+    assert NgramIndex(min_ngram=1).continuation([4, 5, 6, 7, 5], 4) == [6, 7, 5]
 
 
 @pytest.mark.parametrize(("min_ngram", "max_ngram"), [(2, 4), (1, 3), (3, 3)])
