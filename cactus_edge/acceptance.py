@@ -554,10 +554,17 @@ def kl_divergence(dist_a: ProbRows, dist_b: ProbRows) -> float:
     """KL(a ‖ b) in nats for two rows (dense or sparse); inf if a has mass where b has none."""
     vocab_size = dist_b.shape[-1]
     _, a, b = _aligned(_Dist.of(dist_a), _Dist.of(dist_b), vocab_size)
-    mass = a > 0
-    if np.any(b[mass] <= 0):
-        return math.inf
-    return float(np.sum(a[mass] * np.log(a[mass] / b[mass])))
+    return float(_kl_rows(a[None, :], b[None, :])[0])
+
+
+def _kl_rows(dist_a: np.ndarray, dist_b: np.ndarray) -> np.ndarray:
+    """KL(a ‖ b) of each row of two (n, m) arrays on shared columns, shape (n,); inf for a row
+    where a has mass on a column where b has none."""
+    mass = dist_a > 0.0
+    infinite = np.any(mass & (dist_b <= 0.0), axis=1)
+    ratio = np.where(mass, dist_a / np.where(dist_b > 0.0, dist_b, 1.0), 1.0)
+    kls = np.where(mass, dist_a * np.log(ratio), 0.0).sum(axis=1)
+    return np.where(infinite, math.inf, kls)
 
 
 def output_kl(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:
@@ -580,12 +587,7 @@ def output_kls(rule: AcceptanceRule, draft_rows, target_rows) -> np.ndarray:
     if n_positions > 1 and max(r.token_ids.size for pair in rows for r in pair) > MAX_BATCHED_KL_WIDTH:
         return np.concatenate([output_kls(rule, [d], [t]) for d, t in rows])
     draft_on, target_on = _shared_columns(rows)
-    out = law(draft_on, target_on)
-    mass = out > 0.0
-    infinite = np.any(mass & (target_on <= 0.0), axis=1)  # out puts mass where the target has none
-    ratio = np.where(mass, out / np.where(target_on > 0.0, target_on, 1.0), 1.0)
-    kls = np.where(mass, out * np.log(ratio), 0.0).sum(axis=1)
-    return np.where(infinite, math.inf, kls)
+    return _kl_rows(law(draft_on, target_on), target_on)
 
 
 def _shared_columns(rows: list[tuple[SparseProbs, SparseProbs]]) -> tuple[np.ndarray, np.ndarray]:
