@@ -60,6 +60,6 @@ def test_every_rule_is_judged_on_the_same_reference_positions(frontier, tiny_pai
         per_prompt, summary, np.random.default_rng(0)
     )
     assert tas == "tas τ=0.09" and cactus in ("cactus δ=0.25", "cactus δ=1")
-    pooled = [np.concatenate([p[cactus] - p[tas] for p in per_prompt]).mean(axis=0)]
-    np.testing.assert_allclose(point, pooled[0])  # the difference on the same positions
+    pooled = np.concatenate([p[cactus] - p[tas] for p in per_prompt]).mean(axis=0)
+    np.testing.assert_allclose(point, pooled)  # the difference on the same positions
     assert np.all(low <= point) and np.all(point <= high)
