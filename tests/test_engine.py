@@ -228,6 +228,21 @@ def test_multi_turn_decodes_only_the_new_suffix(engine):
     assert result.stats.n_prompt_decoded == len(prompt) - common
 
 
+def test_clear_caches_makes_the_next_request_prefill_everything(engine):
+    """After clear_caches nothing is reused: the whole prompt is decoded, both caches were empty,
+    and the reply equals that of a first request (prefix reuse changes llama.cpp's rounding)."""
+    config = GenerationConfig(method="sps", temperature=0.8, max_tokens=12, n_draft=3, seed=5)
+    turn = [{"role": "user", "content": "hello world"}]
+    engine.chat(turn, config)
+    engine.clear_caches()
+    assert engine.target.cache_range() == engine.draft.cache_range() == (-1, -1)
+    assert engine.target.tokens == engine.draft.tokens == []
+    cleared = engine.chat(turn, config)
+    assert cleared.stats.n_prompt_decoded == len(engine.tokenize_prompt(engine.render(turn), chat=True))
+    engine.clear_caches()
+    assert engine.chat(turn, config).tokens == cleared.tokens
+
+
 def test_incompatible_pair_is_refused_before_loading(tiny_pair, tiny_mismatch):
     with pytest.raises(IncompatiblePairError, match="differs"):
         Engine.load(str(tiny_pair[0]), str(tiny_mismatch), n_ctx=128)

@@ -65,10 +65,14 @@ class ScriptedEngine:
     """Answers every problem with a fixed reply per method; counts generations."""
 
     def __init__(self, replies):
-        self.replies, self.calls = replies, 0
+        self.replies, self.calls, self.seeds = replies, 0, []
+
+    def clear_caches(self):
+        pass
 
     def chat(self, messages, config):
         self.calls += 1
+        self.seeds.append(config.seed)
         stats = GenerationStats(method=config.method, n_tokens=10, n_verifier_calls=4, n_accepted=6)
         return GenerationResult(self.replies[config.method], [], "stop", stats)
 
@@ -86,6 +90,18 @@ def test_evaluation_is_resumable_and_reported(problems_file, tmp_path):
     table = report(out, variants)
     assert "| sps k=4 | 1.000 (1/1) |" in table and "| tas k=4 | 0.000 (0/1) |" in table
     assert all(r["finish_reason"] == "stop" for r in map(json.loads, out.read_text().splitlines()))
+    assert engine.seeds == [0, 0]  # a slice without first_index: seeds from 0
+
+
+def test_a_slice_keeps_the_full_runs_seeds(problems_file, tmp_path):
+    """Seeds are indices in the full problem set, so resuming a long run in slices (--offset)
+    samples exactly what one full run samples."""
+    engine = ScriptedEngine({"sps": "    return 2 * x\n"})
+    settings = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 64}
+    problems = load_problems(problems_file)
+    variants = [Variant("sps", n_draft=4)]
+    list(evaluate(engine, problems[1:], variants, settings, tmp_path / "s.jsonl", first_index=1))
+    assert engine.seeds == [1]
 
 
 def test_report_counts_token_limit_hits_and_kl(tmp_path):
@@ -161,3 +177,12 @@ def test_eval_command_on_the_tiny_pair(tiny_args, problems_file, tmp_path):
     assert "| sps k=3 |" in out.with_suffix(".md").read_text()
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and len(out.read_text().splitlines()) == 6  # resumed, nothing redone
+
+    # The second problem alone (--offset 1) is sampled as in the full run: with the full run's
+    # seed for it, and from empty caches (a prefix cached by the first problem changes samples).
+    sliced = tmp_path / "he-offset.jsonl"
+    sliced_args = [*args[: args.index("--out")], "--offset", "1", "--out", str(sliced)]
+    assert CliRunner().invoke(main, sliced_args).exit_code == 0
+    assert [json.loads(line)["completion"] for line in sliced.read_text().splitlines()] == [
+        r["completion"] for r in records[3:]
+    ]
