@@ -46,6 +46,7 @@ def run(engine: Engine, prompts: list[dict], settings: dict[str, dict], args, ou
             config = GenerationConfig(
                 **changes, n_draft=args.n_draft, max_tokens=args.max_tokens, seed=index, drafter="model"
             )
+            engine.clear_caches()  # resumable: a reply must not depend on what ran before it
             result = engine.chat([{"role": "user", "content": entry["prompt"]}], config)
             record = {
                 "prompt": index,
