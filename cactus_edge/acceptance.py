@@ -29,6 +29,7 @@ __all__ = [
     "Verdict",
     "output_distribution",
     "output_kl",
+    "step_kl",
     "output_kls",
     "kl_divergence",
     "make_rule",
@@ -538,6 +539,21 @@ def kl_is_measurable(draft_probs_row: ProbRows, target_probs_row: ProbRows) -> b
         isinstance(row, SparseProbs) and np.count_nonzero(row.probs) <= MAX_KL_SUPPORT
         for row in (draft_probs_row, target_probs_row)
     )
+
+
+def step_kl(rule: AcceptanceRule, draft_rows, target_rows, n_decided: int) -> float | None:
+    """Mean KL(out ‖ target) over the first n_decided positions of a step, as the engine reports
+    it: 0 for lossless rules; for a KL budget, the positions it measured to keep the budget; None
+    when a row is too costly to measure (dense or very wide, see MAX_KL_SUPPORT).
+    draft_rows: k rows; target_rows: at least n_decided rows."""
+    if rule.lossless:
+        return 0.0
+    if isinstance(rule, KLBudgetRule):
+        return float(np.mean(rule.position_kls)) if rule.position_kls else None
+    drafts, targets = draft_rows[:n_decided], [target_rows[i] for i in range(n_decided)]
+    if not drafts or not all(kl_is_measurable(d, t) for d, t in zip(drafts, targets, strict=True)):
+        return None
+    return float(np.mean(output_kls(rule, drafts, targets)))
 
 
 def acceptance_rate(rule: AcceptanceRule, draft_probs_row: ProbRows, target_probs_row: ProbRows) -> float:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import KLBudgetRule, kl_is_measurable, output_kls
+from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import GenerationConfig
@@ -495,7 +495,7 @@ class _Generation:
         self.profile.lap("acceptance")
         n_accepted, n_decided = verdict.n_accepted, len(verdict.acceptance_probs)
         emitted = [*proposal.tokens[:n_accepted], verdict.next_token]
-        kl = _step_kl(self.rule, proposal.rows, target_rows, n_decided)
+        kl = step_kl(self.rule, proposal.rows, target_rows, n_decided)
         self.profile.lap("kl")
         return emitted, n_accepted, verdict.acceptance_probs, kl
 
@@ -541,18 +541,6 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
                 record(n_tokens, model.last_decode_ms)
             finally:
                 model.truncate(n_past)
-
-
-def _step_kl(rule, draft_rows: list, target_rows, n_decided: int) -> float | None:
-    """Mean KL(out ‖ target) over the positions decided in a step (lossy rules, measurable rows)."""
-    if rule.lossless:
-        return 0.0
-    if isinstance(rule, KLBudgetRule):  # it measured each position to keep its budget
-        return float(np.mean(rule.position_kls)) if rule.position_kls else None
-    drafts, targets = draft_rows[:n_decided], [target_rows[i] for i in range(n_decided)]
-    if not drafts or not all(kl_is_measurable(d, t) for d, t in zip(drafts, targets, strict=True)):
-        return None  # a dense or very wide row: too costly to measure (see MAX_KL_SUPPORT)
-    return float(np.mean(output_kls(rule, drafts, targets)))
 
 
 def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:

@@ -2,7 +2,8 @@
 """Time logit processing + verification per speculative step (numpy only, no model).
 
 One step = process k draft rows and k+1 target rows (V = 151,936, the Qwen vocabulary), then
-rule.verify. Logits are synthetic but LLM-shaped: a heavy head over a Gaussian body.
+rule.verify, then (lossy rules) the per-step KL the engine reports. Logits are synthetic but
+LLM-shaped: a heavy head over a Gaussian body.
 
     .venv/bin/python scripts/bench_rules.py [--k 8] [--repeats 50] [--max-sparse-nucleus 0]
 
@@ -18,7 +19,7 @@ import time
 import numpy as np
 
 from cactus_edge import sampling
-from cactus_edge.acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance
+from cactus_edge.acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance, step_kl
 from cactus_edge.sampling import SamplingConfig, process_logits, sample_token
 
 VOCAB = 151_936
@@ -42,7 +43,8 @@ def time_step(rule, config, k, repeats, rng):
         draft_rows = [process_logits(row, config) for row in draft_logits]
         tokens = np.array([sample_token(row, rng) for row in draft_rows])
         target_rows = process_logits(target_logits, config)
-        rule.verify(tokens, draft_rows, target_rows, rng)  # as the engine: no stacking copy
+        verdict = rule.verify(tokens, draft_rows, target_rows, rng)  # as the engine: no stacking copy
+        step_kl(rule, draft_rows, target_rows, len(verdict.acceptance_probs))
         times.append(time.perf_counter() - start)
     return 1000 * float(np.median(times))
 
@@ -63,7 +65,7 @@ def main() -> None:
         "no top-k, no top-p": SamplingConfig(temperature=0.6, top_k=0, top_p=1.0),
     }
     rules = [SpeculativeSampling(), Cactus(1.0), TypicalAcceptance(), ExactMatch()]
-    print(f"k = {args.k}, V = {VOCAB:,}; median ms per step (process {2 * args.k + 1} rows + verify)")
+    print(f"k = {args.k}, V = {VOCAB:,}; median ms per step (process {2 * args.k + 1} rows + verify + KL)")
     print(f"| rule | {' | '.join(settings)} |")
     print(f"|---|{'---|' * len(settings)}")
     for rule in rules:

@@ -163,7 +163,7 @@ def test_an_unmeasurable_position_is_judged_by_sps_without_ending_the_budget():
     rule.verify(np.array([first, token]), [same_as_target, draft_row], [target_row] * 3, rng)
     assert rule.position_kls == (0.0, pytest.approx(output_kl(Cactus(1.0), draft_row, target_row)))
     assert rule.spent == pytest.approx(spent_before + rule.position_kls[1])
-    from cactus_edge.engine import _step_kl
+    from cactus_edge.acceptance import step_kl
 
-    assert _step_kl(Cactus(1.0), [dense_draft], [target_row], 1) is None  # unmeasured, not slow
-    assert _step_kl(Cactus(1.0), [draft_row], [target_row], 1) > 0
+    assert step_kl(Cactus(1.0), [dense_draft], [target_row], 1) is None  # unmeasured, not slow
+    assert step_kl(Cactus(1.0), [draft_row], [target_row], 1) > 0
