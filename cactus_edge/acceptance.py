@@ -543,9 +543,9 @@ def kl_is_measurable(draft_probs_row: ProbRows, target_probs_row: ProbRows) -> b
 
 def step_kl(rule: AcceptanceRule, draft_rows, target_rows, n_decided: int) -> float | None:
     """Mean KL(out ‖ target) over the first n_decided positions of a step, as the engine reports
-    it: 0 for lossless rules; for a KL budget, the positions it measured to keep the budget; None
-    when a row is too costly to measure (dense or very wide, see MAX_KL_SUPPORT).
-    draft_rows: k rows; target_rows: at least n_decided rows."""
+    it: 0 for lossless rules; for a KL budget, the positions it measured to keep the budget (so
+    call it right after that rule's ``verify``); None when a row is too costly to measure (dense
+    or very wide, see MAX_KL_SUPPORT). draft_rows: k rows; target_rows: at least n_decided rows."""
     if rule.lossless:
         return 0.0
     if isinstance(rule, KLBudgetRule):

@@ -156,7 +156,8 @@ def evaluate(
     """Generate and test every (problem, variant) not yet in ``out_path``; append and yield each.
 
     Each problem's seed is its index in the full problem set (``first_index`` is that of
-    ``problems[0]``), so a run over a slice samples exactly what the full run samples there."""
+    ``problems[0]``), and every sample starts from empty caches: with a fixed draft length a run
+    over a slice samples exactly what the full run samples there (``auto`` learns as it goes)."""
     done = completed(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     for index, problem in enumerate(problems, start=first_index):

@@ -229,8 +229,7 @@ def test_multi_turn_decodes_only_the_new_suffix(engine):
 
 
 def test_clear_caches_makes_the_next_request_prefill_everything(engine):
-    """After clear_caches nothing is reused: the whole prompt is decoded, both caches were empty,
-    and the reply equals that of a first request (prefix reuse changes llama.cpp's rounding)."""
+    """After clear_caches nothing is reused: both caches are empty and the whole prompt is decoded."""
     config = GenerationConfig(method="sps", temperature=0.8, max_tokens=12, n_draft=3, seed=5)
     turn = [{"role": "user", "content": "hello world"}]
     engine.chat(turn, config)
@@ -239,8 +238,27 @@ def test_clear_caches_makes_the_next_request_prefill_everything(engine):
     assert engine.target.tokens == engine.draft.tokens == []
     cleared = engine.chat(turn, config)
     assert cleared.stats.n_prompt_decoded == len(engine.tokenize_prompt(engine.render(turn), chat=True))
-    engine.clear_caches()
-    assert engine.chat(turn, config).tokens == cleared.tokens
+
+
+def test_a_reply_after_clear_caches_does_not_depend_on_the_request_before(engine):
+    """After clear_caches a reply is the one a first request gets, whatever ran before. Without
+    it, reusing the cached prefix changes llama.cpp's rounding and with it some replies: on our
+    AMD EPYC 2 of these 8 seeds (not asserted: whether rounding moves depends on the CPU's kernels;
+    the test above checks the clearing itself)."""
+    from cactus_edge.evaluate import INSTRUCTION  # a long prefix shared by both requests
+
+    turn = [{"role": "user", "content": INSTRUCTION.format(prompt='def f1(x):\n    """Twice x."""\n')}]
+    other = [{"role": "user", "content": INSTRUCTION.format(prompt='def f0(x):\n    """Twice x."""\n')}]
+
+    def reply(seed: int, before: list | None) -> list[int]:
+        config = GenerationConfig(method="sps", temperature=0.8, max_tokens=16, n_draft=3, seed=seed)
+        engine.clear_caches()
+        if before is not None:
+            engine.chat(before, config)
+            engine.clear_caches()
+        return engine.chat(turn, config).tokens
+
+    assert all(reply(seed, other) == reply(seed, None) for seed in range(8))
 
 
 def test_incompatible_pair_is_refused_before_loading(tiny_pair, tiny_mismatch):

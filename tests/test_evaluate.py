@@ -62,17 +62,18 @@ def test_sandbox_times_out_and_is_isolated(problems_file):
 
 
 class ScriptedEngine:
-    """Answers every problem with a fixed reply per method; counts generations."""
+    """Answers every problem with a fixed reply per method; counts generations, logs the calls."""
 
     def __init__(self, replies):
-        self.replies, self.calls, self.seeds = replies, 0, []
+        self.replies, self.calls, self.seeds, self.log = replies, 0, [], []
 
     def clear_caches(self):
-        pass
+        self.log.append("clear")
 
     def chat(self, messages, config):
         self.calls += 1
         self.seeds.append(config.seed)
+        self.log.append("chat")
         stats = GenerationStats(method=config.method, n_tokens=10, n_verifier_calls=4, n_accepted=6)
         return GenerationResult(self.replies[config.method], [], "stop", stats)
 
@@ -91,6 +92,7 @@ def test_evaluation_is_resumable_and_reported(problems_file, tmp_path):
     assert "| sps k=4 | 1.000 (1/1) |" in table and "| tas k=4 | 0.000 (0/1) |" in table
     assert all(r["finish_reason"] == "stop" for r in map(json.loads, out.read_text().splitlines()))
     assert engine.seeds == [0, 0]  # a slice without first_index: seeds from 0
+    assert engine.log == ["clear", "chat"] * 2  # every sample starts from empty caches
 
 
 def test_a_slice_keeps_the_full_runs_seeds(problems_file, tmp_path):
