@@ -136,6 +136,32 @@ def mcnemar_pvalue(only_a: int, only_b: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired_difference_interval(
+    both: int, only_a: int, only_b: int, neither: int, z: float = 1.96
+) -> tuple[float, float]:
+    """95% interval of pass@1(A) − pass@1(B) on the same problems (Newcombe's hybrid score
+    interval for paired proportions, his method 10: Wilson intervals of both rates, joined
+    through the correlation of the paired outcomes). Counts: problems solved by both, by A
+    only, by B only, by neither."""
+    n = both + only_a + only_b + neither
+    if n == 0:
+        return (-1.0, 1.0)
+    rate_a, rate_b = (both + only_a) / n, (both + only_b) / n
+    low_a, high_a = wilson_interval(both + only_a, n, z)
+    low_b, high_b = wilson_interval(both + only_b, n, z)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    phi = (both * neither - only_a * only_b) / math.sqrt(margins) if margins else 0.0
+    below = _joined(rate_a - low_a, high_b - rate_b, phi)
+    above = _joined(high_a - rate_a, rate_b - low_b, phi)
+    difference = rate_a - rate_b
+    return (max(-1.0, difference - below), min(1.0, difference + above))
+
+
+def _joined(margin_a: float, margin_b: float, phi: float) -> float:
+    """One side of Newcombe's interval: two Wilson margins joined through the correlation phi."""
+    return math.sqrt(max(0.0, margin_a**2 - 2 * phi * margin_a * margin_b + margin_b**2))
+
+
 def completed(path: Path) -> set[tuple[str, str]]:
     if not path.exists():
         return set()
@@ -201,8 +227,8 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
     lines = [
         f"{len(shared)} problems run by every variant; pass@1 from one sample each, 95% Wilson interval\n",
         "| method | pass@1 | 95% interval | AL | tok/s | mean KL per step | hit token limit | "
-        "vs sps (McNemar p) |",
-        "|---|---|---|---|---|---|---|---|",
+        "vs sps (McNemar p) | pass@1 − sps's (95% interval) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     reference = by_variant.get(next((v.label for v in variants if v.method == "sps"), ""), {})
     for label, rows in by_variant.items():
@@ -214,16 +240,33 @@ def report(out_path: Path, variants: list[Variant], max_tokens: int | None = Non
         kls = [r["kl_mean"] for r in runs if r.get("kl_mean") is not None]
         kl = f"{sum(kls) / len(kls):.4f}" if kls and method_of[label] not in LOSSLESS_METHODS else "–"
         limited = sum(_hit_limit(r, max_tokens) for r in runs)
-        versus = "–"
+        versus = difference = "–"
         if reference and label in by_variant and rows is not reference:
-            only_a = sum(rows[t]["passed"] and not reference[t]["passed"] for t in shared)
-            only_b = sum(reference[t]["passed"] and not rows[t]["passed"] for t in shared)
-            versus = f"{mcnemar_pvalue(only_a, only_b):.2f} (+{only_a} / −{only_b})"
+            versus, difference = _versus(rows, reference, shared)
         lines.append(
             f"| {label} | {solved / max(len(runs), 1):.3f} ({solved}/{len(runs)}) | {low:.2f}–{high:.2f} | "
-            f"{al:.2f} | {tps:.1f} | {kl} | {limited} | {versus} |"
+            f"{al:.2f} | {tps:.1f} | {kl} | {limited} | {versus} | {difference} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _versus(rows: dict, reference: dict, shared: set) -> tuple[str, str]:
+    """McNemar p with the discordant counts, and the paired difference in pass@1 with its 95%
+    interval, of one variant against the reference on the problems both ran."""
+    outcomes = [(rows[t]["passed"], reference[t]["passed"]) for t in shared]
+    both = sum(a and b for a, b in outcomes)
+    only_a = sum(a and not b for a, b in outcomes)
+    only_b = sum(b and not a for a, b in outcomes)
+    low, high = paired_difference_interval(both, only_a, only_b, len(outcomes) - both - only_a - only_b)
+    difference = (only_a - only_b) / max(len(outcomes), 1)
+    return (
+        f"{mcnemar_pvalue(only_a, only_b):.2f} (+{only_a} / −{only_b})",
+        f"{_signed(difference)} ({_signed(low)} to {_signed(high)})",
+    )
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.3f}".replace("-", "−")
 
 
 def _hit_limit(record: dict, max_tokens: int | None) -> bool:
