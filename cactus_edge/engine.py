@@ -200,9 +200,8 @@ class Engine:
 
     def _free_models(self) -> None:
         self._life.wait_for_prompt_operations()
-        for model in (self.draft, self.target):
-            if model is not None:
-                model.close()
+        for model in filter(None, (self.draft, self.target)):
+            model.close()
 
     @property
     def closed(self) -> bool:
@@ -282,30 +281,20 @@ class Engine:
             yield from _Generation(self, prompt_tokens, config, cancel).events()
 
     def clear_caches(self, timeout: float | None = None) -> None:
-        """Empty both models' KV caches, so the next generation prefills its whole prompt.
-
-        With a fixed draft length its output is then a function of prompt, config and seed alone:
-        llama.cpp's rounding depends on how a prompt is split into batches, so reusing a prefix
-        cached by an earlier request can change a sampled token (evaluations clear before each
-        sample). timeout: as for :meth:`stream`."""
+        """Empty both KV caches: the next generation prefills its whole prompt, so with a fixed
+        draft length its reply depends on prompt, config and seed alone (a reused prefix changes
+        llama.cpp's rounding, and so can change a sample). timeout: as for :meth:`stream`."""
         self._life.check_open()
         with self._guard.hold(timeout):
             self._life.check_open()
-            for model in (self.target, self.draft):
-                if model is not None:
-                    model.reset()
+            for model in filter(None, (self.target, self.draft)):
+                model.reset()
 
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
         """Problems with the caches, [] when consistent: llama.cpp's position range must equal
         our mirror of each cache, and with ``expected`` (prompt + emitted tokens) each cache must
         hold a prefix of it."""
-        models = {"target": self.target, "draft": self.draft}
-        return [
-            f"{name}: {problem}"
-            for name, model in models.items()
-            if model
-            for problem in _cache_problems(model, expected)
-        ]
+        return _cache_problems({"target": self.target, "draft": self.draft}, expected)
 
     # --- OpenAI-style facade -----------------------------------------------------------------------
 
@@ -562,13 +551,19 @@ def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: 
         )
 
 
-def _cache_problems(model: LlamaModel, expected: Sequence[int] | None) -> list[str]:
+def _cache_problems(models: dict[str, LlamaModel | None], expected: Sequence[int] | None) -> list[str]:
+    """Engine.check_caches for the named models (None: no such model)."""
     problems = []
-    low, high = model.cache_range()
-    if (low, high) != ((0, model.n_past - 1) if model.n_past else (-1, -1)):
-        problems.append(f"llama.cpp holds positions {low}..{high}, our mirror {model.n_past} tokens")
-    if expected is not None and list(expected[: model.n_past]) != model.tokens:
-        problems.append(f"the cache is not a prefix of the {len(expected)} expected tokens")
+    for name, model in models.items():
+        if model is None:
+            continue
+        low, high = model.cache_range()
+        if (low, high) != ((0, model.n_past - 1) if model.n_past else (-1, -1)):
+            problems.append(
+                f"{name}: llama.cpp holds positions {low}..{high}, our mirror {model.n_past} tokens"
+            )
+        if expected is not None and list(expected[: model.n_past]) != model.tokens:
+            problems.append(f"{name}: the cache is not a prefix of the {len(expected)} expected tokens")
     return problems
 
 
