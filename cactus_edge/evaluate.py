@@ -217,9 +217,10 @@ def evaluate(
 def report(out_path: Path, variants: list[Variant], max_tokens: int | None = None) -> str:
     """Markdown: pass@1 with its 95% interval, AL, tok/s, mean KL per step (the mean over samples
     of each sample's mean per-step KL; lossy rules only) and token-limit hits per variant,
-    and whether each lossy method differs from the lossless `sps` beyond chance (McNemar, paired
-    by problem). A sample hit the limit when it finished by length (older samples without a
-    finish reason: when it has ``max_tokens`` tokens)."""
+    and, against the lossless `sps` on the same problems, McNemar's p with the discordant counts
+    and the difference in pass@1 with its 95% interval (:func:`paired_difference_interval`).
+    A sample hit the limit when it finished by length (older samples without a finish reason:
+    when it has ``max_tokens`` tokens)."""
     records = [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
     by_variant = {v.label: {r["task_id"]: r for r in records if r["variant"] == v.label} for v in variants}
     method_of = {v.label: v.method for v in variants}
