@@ -28,7 +28,10 @@ def test_every_rule_is_judged_on_the_same_reference_positions(frontier, tiny_pai
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
         per_prompt = frontier.run(engine, prompts, rules, 10, tmp_path)
         again = frontier.run(engine, prompts, rules, 10, tmp_path)  # references come from the cache
-        # Position 3 of reply 0, computed on its own: the rows predicting reply token 3.
+        # Position 3 of reply 0, computed on its own: the rows predicting reply token 3. Decoded
+        # here in another batch shape than the whole reply, so llama.cpp's rounding differs in
+        # the 6th digit (SPEC): a tolerance of 1e-4 holds on every CPU, and position 3 must be
+        # the only one that close (a shifted position would match a neighbour instead).
         reference = frontier.reference_replies(engine, prompts, 10, tmp_path / "references.jsonl")[0]
         context = reference["prompt_tokens"] + reference["reply_tokens"][:3]
         rows = []
@@ -36,7 +39,9 @@ def test_every_rule_is_judged_on_the_same_reference_positions(frontier, tiny_pai
             model.reset()
             rows.append(process_logits(model.decode(context)[0], frontier.SAMPLING))
             model.reset()
-    assert per_prompt[0]["sps"][3, 0] == pytest.approx(np.minimum(to_dense(rows[0]), to_dense(rows[1])).sum())
+    own_rate = np.minimum(to_dense(rows[0]), to_dense(rows[1])).sum()
+    close = np.flatnonzero(np.isclose(per_prompt[0]["sps"][:, 0], own_rate, rtol=1e-4, atol=0))
+    assert close.tolist() == [3], (per_prompt[0]["sps"][:, 0], own_rate)
     assert (tmp_path / "references.jsonl").read_text().count("\n") == 2
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
         frontier.reference_replies(engine, prompts, 6, tmp_path / "references.jsonl")  # other limit
