@@ -21,7 +21,13 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from .errors import BackendError, ContextLengthError, NonFiniteLogitsError, UnsupportedModelError
+from .errors import (
+    BackendError,
+    ContextLengthError,
+    InvalidTextError,
+    NonFiniteLogitsError,
+    UnsupportedModelError,
+)
 from .gguf_info import GGUFInfo, read_gguf
 from .sampling import first_non_finite_row
 
@@ -85,6 +91,19 @@ def physical_cores() -> int:
     return logical
 
 
+def encode_text(text: str, param: str = "prompt") -> bytes:
+    """UTF-8 bytes of ``text``; a lone surrogate (not Unicode, so not encodable) is a setting error
+    naming ``param``, never an internal one."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidTextError(
+            f"{param} is not valid Unicode: a lone surrogate {text[error.start]!r} at character "
+            f"{error.start}",
+            param=param,
+        ) from None
+
+
 class LlamaModel:
     """One GGUF model, one llama.cpp context, one sequence (id 0).
 
@@ -136,6 +155,9 @@ class LlamaModel:
         self.n_threads = n_threads or physical_cores()
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
+        # llama.cpp caps its batch at the requested n_ctx but may round the context itself up
+        # (128 → 256): a batch sized for the rounded context would hit its native assert.
+        n_batch = max(1, min(n_batch, n_ctx))
         ctx_params.n_batch = n_batch
         ctx_params.n_ubatch = n_batch
         ctx_params.n_threads = self.n_threads
@@ -147,11 +169,12 @@ class LlamaModel:
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
         self._memory_handle = llama_cpp.llama_get_memory(self._ctx)
         self._vocab_handle = llama_cpp.llama_model_get_vocab(self._model)
+        # What llama.cpp allocated, not what was asked: every length check uses these.
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
-        self.n_batch = n_batch
+        self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self._ctx), llama_cpp.llama_n_ubatch(self._ctx))
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        self._batch_arrays = _BatchArrays(self._batch, n_batch)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_arrays = _BatchArrays(self._batch, self.n_batch)
         self.tokens: list[int] = []
         self.foreign_tokens: dict[int, int] | None = None
         self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
@@ -235,7 +258,7 @@ class LlamaModel:
         """Text → token ids. ``add_special`` adds BOS when the GGUF asks for it; ``parse_special``
         turns control-token text (e.g. ``<|im_start|>``) into its token."""
         self._check_open()
-        data = text.encode("utf-8")
+        data = encode_text(text)
         capacity = len(data) + 8
         buffer = (llama_cpp.llama_token * capacity)()
         count = llama_cpp.llama_tokenize(

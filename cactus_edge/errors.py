@@ -19,6 +19,10 @@ class InvalidSettingError(CactusEdgeError, ValueError):
         self.param = param
 
 
+class InvalidTextError(InvalidSettingError):
+    """Text that is not valid Unicode (a lone surrogate): it cannot be encoded for the tokenizer."""
+
+
 class UnsupportedParameterError(InvalidSettingError):
     """An OpenAI request parameter that would change the meaning of the request if it were
     ignored (``n > 1``, ``logprobs``, ``tools``, …); ``param`` names it."""
@@ -93,6 +97,16 @@ class FetchError(CactusEdgeError):
 
 class IntegrityError(FetchError):
     """An assembled or stored model does not match its registered size or sha256."""
+
+
+class PinMismatchError(IntegrityError):
+    """A pinned model's file no longer holds the bytes its pin records (changed or corrupted since
+    its fetch): ``path`` is the file, ``expected`` and ``actual`` the pinned and the found ``field``
+    ("size" or "sha256")."""
+
+    def __init__(self, message: str, path: str, field: str, expected: str | int, actual: str | int) -> None:
+        super().__init__(message)
+        self.path, self.field, self.expected, self.actual = path, field, expected, actual
 
 
 class BackendError(CactusEdgeError):

@@ -1,0 +1,101 @@
+"""No draft work before the first token (issue 21): the first token comes from the target's
+prefill alone; the draft model is fed only when a step drafts with it, catching up on the prompt
+(or a conversation's new turn) then, and reusing its cached prefix as the target does."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from cactus_edge.backend import LlamaModel
+from cactus_edge.cli import main
+from cactus_edge.engine import Engine, GenerationConfig
+
+PROMPT = "the water is hot and"
+FIXED = {"method": "sps", "drafter": "model", "n_draft": 3, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        yield engine
+
+
+@pytest.fixture
+def decodes(engine, monkeypatch):
+    """Every llama_decode in order: ("target" | "draft", tokens fed)."""
+    log: list[tuple[str, int]] = []
+    real_chunk = LlamaModel._decode_chunk
+
+    def logged(self, chunk, rows):
+        log.append(("draft" if self is engine.draft else "target", len(chunk)))
+        real_chunk(self, chunk, rows)
+
+    monkeypatch.setattr(LlamaModel, "_decode_chunk", logged)
+    engine.clear_caches()
+    return log
+
+
+@pytest.mark.parametrize("settings", [FIXED, {"n_draft": "auto"}], ids=["fixed k", "auto"])
+def test_a_request_that_never_drafts_leaves_the_draft_cache_empty(engine, decodes, settings):
+    result = engine.generate(PROMPT, GenerationConfig(**{**settings, "max_tokens": 1, "seed": 0}))
+    assert len(result.tokens) == 1
+    assert engine.draft.n_past == 0 and engine.draft.cache_range() == (-1, -1)
+    assert [model for model, _ in decodes] == ["target"]  # one forward pass: the prompt's
+    assert engine.check_caches(engine.tokenize_prompt(PROMPT) + result.tokens) == []
+
+
+@pytest.mark.parametrize("settings", [FIXED, {"n_draft": "auto", "seed": 0}], ids=["fixed k", "auto"])
+def test_the_first_token_precedes_any_draft_decode(engine, decodes, settings):
+    n_prompt = len(engine.tokenize_prompt(PROMPT))
+    config = GenerationConfig(**{**settings, "max_tokens": 24})
+    with contextlib.closing(engine.stream(PROMPT, config)) as stream:
+        first = next(stream)
+        assert first.token is not None
+        assert decodes == [("target", n_prompt)]  # the whole prompt in one decode, nothing else
+        rest = list(stream)
+    assert rest[-1].finish_reason == "length"
+    if settings is FIXED:  # a fixed length drafts every step after the first
+        steps = rest[-1].stats.steps
+        assert steps[0].n_draft == 0 and steps[1].n_draft == FIXED["n_draft"]
+        # The draft's first decode catches up on prompt + first token (+ a lookup guess, if any).
+        first_draft = next(n for model, n in decodes if model == "draft")
+        assert n_prompt + 1 <= first_draft <= n_prompt + FIXED["n_draft"]
+
+
+def test_prefix_reuse_across_turns_with_a_lazy_draft(engine, decodes):
+    messages = [{"role": "user", "content": "the code is"}]
+    first = engine.chat(messages, GenerationConfig(**FIXED, max_tokens=12))
+    turn_one = engine.tokenize_chat(messages) + first.tokens
+    assert engine.draft.tokens == turn_one[: engine.draft.n_past] and engine.draft.n_past > 0
+    cached = engine.draft.n_past
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and then"}]
+    turn_two = engine.tokenize_chat(messages)
+    reusable = next(i for i, (a, b) in enumerate(zip(turn_one, turn_two, strict=False)) if a != b)
+    decodes.clear()
+    second = engine.chat(messages, GenerationConfig(**FIXED, max_tokens=12))
+    target_fed = [n for model, n in decodes if model == "target"]
+    draft_fed = [n for model, n in decodes if model == "draft"]
+    # Each model decodes only what it lacks: the target at the first step, the draft at its
+    # catch-up (the new turn and the first reply token), never the shared prefix again.
+    assert target_fed[0] == len(turn_two) - min(reusable, len(turn_two) - 1)
+    catch_up = len(turn_two) + 1 - min(reusable, cached)
+    assert catch_up <= draft_fed[0] <= catch_up + FIXED["n_draft"] - 1  # + a lookup guess, if any
+    assert second.stats.n_prompt_decoded == target_fed[0]
+    assert engine.check_caches(turn_two + second.tokens) == []
+
+
+def test_generate_compare_runs_plain_then_the_settings_and_prints_the_ratio(tiny_pair):
+    args = ["generate", "the water is", "--draft", str(tiny_pair[0]), "--target", str(tiny_pair[1])]
+    flags = ["--n-ctx", "512", "--max-tokens", "12", "--seed", "3", "--compare"]
+    result = CliRunner().invoke(main, [*args, *flags])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("[models] draft tiny-draft.gguf -> target tiny-target.gguf")
+    assert re.match(r"plain: \[none\] \d+ tokens, .*, first token \d+ ms$", lines[1])
+    assert re.match(r"these settings: \[cactus\] \d+ tokens, .*, first token \d+ ms$", lines[2])
+    ratio = r"\d+\.\d\dx tokens/s, first token \d+\.\d\dx, end to end \d+\.\d\dx faster"
+    assert re.fullmatch(f"these settings vs plain: {ratio}", result.stdout.strip())
