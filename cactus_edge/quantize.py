@@ -27,6 +27,7 @@ from .errors import (
 )
 from .gguf_info import read_gguf
 from .registry import (
+    LOCAL_TABLES,
     ModelSpec,
     PairSpec,
     QuantizedSource,
@@ -65,8 +66,9 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _NOT_IN_NAME = re.compile(r"[^a-z0-9._+-]+")
 
 _LOCAL_HEADER = (
-    "# Models and pairs made on this machine by `cactus-edge models quantize`, which rewrites this\n"
-    "# file (comments are not kept). A name here may not repeat a packaged model's or pair's name."
+    "# Models and pairs made on this machine by `cactus-edge models quantize`, and the pins of\n"
+    "# Hugging Face files recorded by `cactus-edge models fetch`; both rewrite this file (comments are\n"
+    "# not kept). A name here may not repeat a packaged model's or pair's name (a pin names its model)."
 )
 
 
@@ -349,10 +351,11 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 def toml_text(data: dict) -> str:
-    """The local registry as TOML: its ``models`` and ``pairs`` tables (nothing else is read), one
-    table per entry, nested tables inline. Python's tomllib only reads TOML, hence this writer."""
+    """The local registry as TOML: its ``models``, ``pairs`` and ``pins`` tables (nothing else is
+    read), one table per entry, nested tables inline. Python's tomllib only reads TOML, hence this
+    writer."""
     lines = [_LOCAL_HEADER]
-    for table in ("models", "pairs"):
+    for table in LOCAL_TABLES:
         for name, entry in data.get(table, {}).items():
             lines.append(f"\n[{table}.{_toml_string(name)}]")
             lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in entry.items()]

