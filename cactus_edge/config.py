@@ -15,7 +15,7 @@ LOSSLESS_METHODS = ("sps", "exact", "none")
 DRAFTERS = ("model", "lookup", "model+lookup")
 DEFAULT_METHOD = "cactus"
 DEFAULT_DELTA = 1.0
-DEFAULT_DRAFTER = "model"
+DEFAULT_DRAFTER = "model+lookup"  # lookup when the context repeats, the model when it pays (README)
 # The paper's sampling settings.
 DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_K = 20

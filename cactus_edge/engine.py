@@ -38,7 +38,6 @@ from .config import GenerationConfig
 from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .gguf_info import check_pair_compatible, read_gguf
-from .openai_compat import chat_completion
 from .output import Output
 from .prompts import Prompts
 from .sampling import sample_token
@@ -207,6 +206,11 @@ class Engine:
     def closed(self) -> bool:
         return self._life.closed
 
+    @property
+    def n_ctx(self) -> int:
+        """The context llama.cpp allocated (it may round the requested one up), both models'."""
+        return min(m.n_ctx for m in (self.target, self.draft) if m is not None)
+
     def __enter__(self) -> Engine:
         return self
 
@@ -267,13 +271,17 @@ class Engine:
 
         cancel: set it to end the generation at the end of the current step.
         timeout: seconds to wait for the engine if another generation holds it (None: wait),
-            then :class:`EngineBusy`.
-        """
+            then :class:`EngineBusy`."""
         config = config or GenerationConfig()
         self._life.check_open()
         prompt_tokens = self.tokenize_prompt(prompt)
-        _check_request(config, prompt_tokens, self.target, self.draft)
+        self.check_request(prompt_tokens, config)
         return self._run(prompt_tokens, config, cancel or threading.Event(), timeout)
+
+    def check_request(self, prompt_tokens: Sequence[int], config: GenerationConfig) -> None:
+        """Refuse what cannot run, before a generation takes the engine (InvalidSettingError naming
+        the parameter, or ContextLengthError when the allocated context has no room to reply)."""
+        _check_request(config, list(prompt_tokens), self.target, self.draft)
 
     def _run(self, prompt_tokens, config, cancel, timeout) -> Iterator[StreamEvent]:
         with self._guard.hold(timeout):
@@ -295,14 +303,6 @@ class Engine:
         our mirror of each cache, and with ``expected`` (prompt + emitted tokens) each cache must
         hold a prefix of it."""
         return _cache_problems({"target": self.target, "draft": self.draft}, expected)
-
-    # --- OpenAI-style facade -----------------------------------------------------------------------
-
-    def create_chat_completion(
-        self, messages: list[dict[str, str]], *, stream: bool = False, model: str = "cactus-edge", **settings
-    ):
-        """Same shapes as llama-cpp-python's / OpenAI's chat completions (dict, or chunk iterator)."""
-        return chat_completion(self, messages, stream=stream, model=model, **settings)
 
 
 def load_models(
@@ -365,19 +365,13 @@ class _Generation:
         self.planner = DraftPlanner(config, engine.costs, engine.acceptance)
         self.profile = StepProfiler()
         self.stats.profile_ms = self.profile.ms
-        model = None
-        if self.draft is not None:
-            vocab_size = self.target.vocab_size
-            model = ModelDrafter(self.draft, vocab_size, config, self.rng, engine.costs, self.profile)
-        lookup = LookupDrafter(self.target.vocab_size)
-        self.drafter = FallbackDrafter(config.drafter, self.planner, model, lookup, self.profile)
-
-    def models(self) -> list[LlamaModel]:
-        return [m for m in (self.target, self.draft) if m is not None]
+        vocab, costs, profile = self.target.vocab_size, engine.costs, self.profile
+        model = self.draft and ModelDrafter(self.draft, vocab, config, self.rng, costs, profile)
+        self.drafter = FallbackDrafter(config.drafter, self.planner, model, LookupDrafter(vocab), profile)
 
     def events(self) -> Iterator[StreamEvent]:
         try:
-            self.prefill()
+            self.reuse_prefixes()
             finish = yield from self.decode_loop()
             held, final = self.output.finish(finish, stopped_by_string=finish == "stop-string")
             yield from self.output.shown_events(held)
@@ -385,29 +379,31 @@ class _Generation:
         finally:
             self.settle()
 
-    def prefill(self) -> None:
-        """Bring every cache to committed[:-1], reusing the longest common prefix it holds."""
-        start = time.perf_counter()
-        for model in self.models():
+    def reuse_prefixes(self) -> None:
+        """Cut every cache back to the longest prefix of committed[:-1] it holds; decode nothing.
+        The first step (plain) decodes the target's missing prompt tokens: one forward pass to the
+        first token, as in plain decoding. The draft catches up when a step first drafts with it
+        (:class:`ModelDrafter`): a request that never drafts with it never prefills it."""
+        for model in _models(self.engine):
             model.sync_cache()  # cheap insurance: llama.cpp holds exactly what the mirror says
-            keep = _common_prefix(model.tokens, self.committed[:-1])
-            model.truncate(keep)
-            if model is self.target:
-                self.stats.n_prompt_decoded = len(self.committed) - keep
-            missing = self.committed[keep:-1]
-            if missing:
-                model.decode(missing, output_rows=())
-        if self.config.auto and self.rule is not None:
-            calibrate(self.engine.costs, self.target, self.draft, self.committed[-1])
-        self.stats.prefill_ms = (time.perf_counter() - start) * 1000
+            model.truncate(_common_prefix(model.tokens, self.committed[:-1]))
+        self.stats.n_prompt_decoded = len(self.committed) - self.target.n_past
+
+    def calibrate_once(self) -> None:
+        """`auto`'s batch costs, after the first token, never before it (:func:`calibrate`)."""
+        start = time.perf_counter()
+        calibrate(self.engine.costs, self.target, self.draft, self.committed[-1])
+        self.stats.calibration_ms += (time.perf_counter() - start) * 1000
 
     def decode_loop(self):
         """Steps until a finish; yields the events it hands out, returns the finish reason."""
         while True:
             if self.cancel.is_set() or self.engine._life.closing.is_set():
                 return "cancelled"
-            if len(self.committed) > self.target.n_ctx:
+            if len(self.committed) > self.engine.n_ctx:
                 return "length"
+            if self.stats.n_verifier_calls == 1 and self.config.auto and self.rule is not None:
+                self.calibrate_once()
             emitted, from_draft = self.step()
             for token, drafted in zip(emitted, from_draft, strict=True):
                 self.n_generated += 1
@@ -424,8 +420,7 @@ class _Generation:
         """The one exit path: each cache keeps at most prompt + shown tokens, and llama.cpp holds
         exactly what our mirror says. Never raises (it runs while an error may propagate)."""
         self.committed = self.committed[: self.n_prompt] + self.output.shown
-        # Every model, also a draft this generation did not use: no cache keeps another text.
-        for model in (m for m in (self.engine.target, self.engine.draft) if m is not None):
+        for model in _models(self.engine):
             try:
                 model.truncate(min(_common_prefix(model.tokens, self.committed), model.n_past))
                 model.sync_cache()
@@ -435,9 +430,9 @@ class _Generation:
 
     def draft_room(self) -> int:
         """The longest block that fits the context and the max_tokens budget."""
-        if self.rule is None:
-            return 0
-        room_in_context = self.target.n_ctx - len(self.committed)
+        if self.rule is None or self.stats.n_verifier_calls == 0:
+            return 0  # the first token comes from the target's prefill alone
+        room_in_context = self.engine.n_ctx - len(self.committed)
         room_in_budget = self.config.max_tokens - self.n_generated - 1
         return max(0, min(self.config.max_draft, room_in_context, room_in_budget))
 
@@ -455,8 +450,11 @@ class _Generation:
         total_ms = (time.perf_counter() - step_start) * 1000
         n_draft, n_decided = len(proposal.tokens), len(acceptance_probs)
         fields = (n_draft, n_accepted, proposal.draft_ms, verify_ms, total_ms, kl, proposal.label, n_decided)
-        self.stats.record(StepStats(*fields))
+        prefill = self.stats.n_verifier_calls == 0
+        self.stats.record(StepStats(*fields), prefill=prefill)
         self.profile.lap("bookkeeping")
+        if prefill:  # the profile covers decode steps, as decode_ms does
+            self.profile.ms.update(dict.fromkeys(self.profile.ms, 0.0))
         return emitted, [True] * n_accepted + [False]
 
     def verify(self, proposal: Proposal):
@@ -469,7 +467,8 @@ class _Generation:
         logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)), copy=False)
         verify_ms = self.target.last_decode_ms
         self.profile.lap("batch + logits", verify_ms, "verify decode")
-        self.engine.costs.record_verify(len(feed), verify_ms)
+        if self.stats.n_verifier_calls:  # the first call is the prompt's prefill, not a verify
+            self.engine.costs.record_verify(len(feed), verify_ms)
         target_rows = process_decoded(self.target, logits, self.sampling)
         self.profile.lap("target processing")
         return target_rows, verify_ms
@@ -499,14 +498,14 @@ class _Generation:
 
 def warm_up(engine: Engine) -> None:
     """A short fixed-k generation pages the weights in and builds the compute graphs; its cold
-    timings are then forgotten (they would skew the cost table), and a 1-token `auto` generation
-    measures the batch costs `auto` needs (:func:`calibrate`). The caches keep a short prompt; no
-    acceptance rate is learnt."""
+    timings are then forgotten (they would skew the cost table), and a 2-token `auto` generation
+    measures the batch costs `auto` needs (:func:`calibrate`, after its first token). The caches
+    keep a short prompt; no acceptance rate is learnt."""
     drafter = "model" if engine.draft else "lookup"
     engine.generate("Hello", GenerationConfig(method="sps", n_draft=2, drafter=drafter, max_tokens=4, seed=0))
     engine.reset_estimates()
     engine.generate(
-        "Hello", GenerationConfig(method="sps", n_draft="auto", drafter=drafter, max_tokens=1, seed=0)
+        "Hello", GenerationConfig(method="sps", n_draft="auto", drafter=drafter, max_tokens=2, seed=0)
     )
 
 
@@ -524,6 +523,9 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
             continue
         costs.calibrated.add(role)
         n_past = model.n_past
+        if n_past + 1 <= model.n_ctx:  # untimed: a model's first decode builds its graph (the lazy draft's)
+            model.decode([filler], output_rows=())
+            model.truncate(n_past)
         for n_tokens in (n for n in sizes if n_past + n <= model.n_ctx):
             try:
                 model.decode([filler] * n_tokens, output_rows=range(n_tokens))
@@ -533,7 +535,7 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
 
 
 def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:
-    """Refuse what cannot run, before the generation takes the engine."""
+    """Engine.check_request for these models."""
     if config.uses_model and draft is None:
         raise InvalidSettingError(
             f"drafter {config.drafter!r} needs a draft model and this engine has none; "
@@ -544,10 +546,11 @@ def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: 
         raise InvalidSettingError("the prompt is empty", param="prompt")
     if any(not 0 <= t < target.vocab_size for t in prompt_tokens):
         raise InvalidSettingError(f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
-    if len(prompt_tokens) >= target.n_ctx:
+    n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
+    if len(prompt_tokens) >= n_ctx:
         raise ContextLengthError(
-            f"the prompt has {len(prompt_tokens)} tokens but the context holds {target.n_ctx}; "
-            "shorten it or raise --n-ctx"
+            f"the prompt has {len(prompt_tokens)} tokens but the context holds {n_ctx} "
+            "(with room for at least one generated token); shorten it or raise --n-ctx"
         )
 
 
@@ -565,6 +568,12 @@ def _cache_problems(models: dict[str, LlamaModel | None], expected: Sequence[int
         if expected is not None and list(expected[: model.n_past]) != model.tokens:
             problems.append(f"{name}: the cache is not a prefix of the {len(expected)} expected tokens")
     return problems
+
+
+def _models(engine: Engine) -> list[LlamaModel]:
+    """Both of the engine's models, also a draft a generation does not use: no cache may keep
+    another text than the running generation's."""
+    return [m for m in (engine.target, engine.draft) if m is not None]
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -330,6 +330,14 @@ def _model(model: Any) -> str | None:
 # --- completions -------------------------------------------------------------------------------
 
 
+def create_chat_completion(
+    engine: Engine, messages, *, stream: bool = False, model: str = "cactus-edge", **settings
+):
+    """Same shapes as llama-cpp-python's / OpenAI's chat completions (dict, or chunk iterator).
+    A function of this layer, not an Engine method: the engine imports nothing of OpenAI's."""
+    return chat_completion(engine, messages, stream=stream, model=model, **settings)
+
+
 def chat_completion(engine: Engine, messages, *, stream: bool, model: str, **settings):
     """Run one chat completion on ``engine``: a ``chat.completion`` dict, or with ``stream`` an
     iterator of ``chat.completion.chunk`` dicts.

@@ -79,10 +79,11 @@ class GenerationStats:
     n_accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     tried_by_position: list[int] = field(default_factory=list)
-    prefill_ms: float = 0.0
+    prefill_ms: float = 0.0  # the first step: the prompt's decode and the first token
+    calibration_ms: float = 0.0  # `auto` measuring batch costs after the first token (once per engine)
     draft_ms: float = 0.0
     verify_ms: float = 0.0
-    decode_ms: float = 0.0  # all time inside generation steps (prefill excluded)
+    decode_ms: float = 0.0  # all time inside generation steps after the first (prefill excluded)
     kl_sum: float = 0.0
     kl_steps: int = 0
     kl_total: float = 0.0
@@ -102,14 +103,19 @@ class GenerationStats:
         return self.n_tokens / self.n_verifier_calls if self.n_verifier_calls else 0.0
 
     @property
+    def n_decode_steps(self) -> int:
+        """Verifier calls after the first (which decodes the prompt): the steps profile_ms covers."""
+        return max(self.n_verifier_calls - 1, 0)
+
+    @property
     def overhead_ms(self) -> float:
         """Generation time spent outside llama_decode (sampling, rules, bookkeeping)."""
         return max(0.0, self.decode_ms - self.draft_ms - self.verify_ms)
 
     @property
     def tokens_per_second(self) -> float:
-        """Generated tokens per second of generation (prefill excluded)."""
-        return self.n_tokens / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
+        """Tokens per second after the first (the prefill's), as llama.cpp's eval rate counts."""
+        return (self.n_tokens - 1) / (self.decode_ms / 1000) if self.decode_ms > 0 else 0.0
 
     @property
     def draft_length_histogram(self) -> dict[int, int]:
@@ -123,11 +129,16 @@ class GenerationStats:
     def kl_mean(self) -> float | None:
         return self.kl_sum / self.kl_steps if self.kl_steps else None
 
-    def record(self, step: StepStats) -> None:
+    def record(self, step: StepStats, prefill: bool = False) -> None:
+        """Count one verifier call. ``prefill``: the first, which decodes the prompt and gives the
+        first token; its time is prefill_ms, not decode time."""
         self.steps.append(step)
-        self.draft_ms += step.draft_ms
-        self.verify_ms += step.verify_ms
-        self.decode_ms += step.total_ms
+        if prefill:
+            self.prefill_ms += step.total_ms
+        else:
+            self.draft_ms += step.draft_ms
+            self.verify_ms += step.verify_ms
+            self.decode_ms += step.total_ms
         self.n_verifier_calls += 1
         self.n_drafted += step.n_draft
         self.n_accepted += step.n_accepted

@@ -1,6 +1,9 @@
 """One exit path: however a generation ends, both caches hold a prefix of prompt + the tokens the
 consumer received, and llama.cpp's own position range agrees with our mirror. Every test inspects
-the caches right after the exit, before any later call could repair them."""
+the caches right after the exit, before any later call could repair them.
+
+Each test starts from empty caches, so the generation it checks prefills the draft lazily: the
+draft catches up on the whole prompt at its first drafting step, after the first token."""
 
 import gc
 
@@ -18,6 +21,11 @@ GREEDY_BLOCKS = {"method": "sps", "temperature": 0.0, "n_draft": 4, "max_tokens"
 def engine(tiny_pair):
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
         yield engine
+
+
+@pytest.fixture(autouse=True)
+def empty_caches(engine):
+    engine.clear_caches()
 
 
 def assert_caches_hold_only(engine, expected):
@@ -40,6 +48,7 @@ def multi_token_block(engine, config):
     events = list(engine.stream(PROMPT, config))
     for index, event in enumerate(events[:-3]):
         if event.step == events[index + 2].step and (index == 0 or events[index - 1].step != event.step):
+            engine.clear_caches()  # the stream under test catches the draft up itself
             return index, events
     pytest.fail("no block of three tokens: the tiny pair should accept drafts greedily")
 
@@ -74,6 +83,7 @@ def test_stop_string_tokens_never_shown_are_not_kept(engine):
     start = sum(len(p) for p in pieces[:i]) + len(pieces[i]) - 1
     stop = full.text[start : start + 6]
     assert full.text.find(stop) == start and len(stop) == 6
+    engine.clear_caches()
     events = list(engine.stream(PROMPT, GenerationConfig(**GREEDY_BLOCKS, stop=(stop,))))
     assert events[-1].finish_reason == "stop"
     assert [e.token for e in events[:-1]] == full.tokens[: i + 1]
@@ -132,6 +142,28 @@ def test_an_exception_inside_a_step_leaves_no_drafts_in_the_caches(engine, monke
         for event in engine.stream(PROMPT, GenerationConfig(**GREEDY_BLOCKS)):
             events.append(event)
     assert len(calls) == 3 and events
+    assert_caches_hold_only(engine, received(engine, events))
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_an_exception_in_the_drafts_catch_up_leaves_consistent_caches(engine, monkeypatch, error):
+    """The draft's first decode, the lazy catch-up on the prompt after the first token, fails
+    midway: llama.cpp may keep part of the batch, and the exit path must cut it."""
+    real_chunk = LlamaModel._decode_chunk
+
+    def failing(self, chunk, rows):
+        if self is engine.draft and self.n_past == 0:
+            real_chunk(self, chunk, rows)  # llama.cpp holds the chunk, the mirror too
+            raise error
+        real_chunk(self, chunk, rows)
+
+    monkeypatch.setattr(LlamaModel, "_decode_chunk", failing)
+    events = []
+    with pytest.raises(type(error)):
+        for event in engine.stream(PROMPT, GenerationConfig(**GREEDY_BLOCKS)):
+            events.append(event)
+    monkeypatch.undo()
+    assert len(events) == 1  # the first token came before any draft work
     assert_caches_hold_only(engine, received(engine, events))
 
 

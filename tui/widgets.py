@@ -9,6 +9,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Markdown, Static
 
+from cactus_edge.config import DEFAULT_DRAFTER
+
 # Accepted draft tokens are underlined in the accent colour; target tokens stay plain. One colour
 # and an underline stay readable on light and dark themes and without colour at all.
 DRAFT_STYLE = "underline #4fb286"
@@ -97,7 +99,7 @@ class StatusBar(Static):
         if config.n_draft == "auto" and stats is not None and stats.steps:
             draft_length += f"({stats.steps[-1].n_draft})"  # what auto chose last
         parts = [method, draft_length]
-        if config.drafter != "model":
+        if config.drafter != DEFAULT_DRAFTER:  # the usual drafter goes without saying
             parts.append(config.drafter)
         if stats is not None and stats.n_verifier_calls:
             parts += [
