@@ -2,7 +2,9 @@
 
 - :class:`ModelDrafter`: the draft model, token by token, or several rows per decode along a
   lookup guess (lookup-guided draft batching).
-- :class:`LookupDrafter`: prompt n-gram lookup; point-mass proposals, no decode.
+- :class:`LookupDrafter`: prompt n-gram lookup; point-mass proposals, no decode; `auto` keeps
+  one acceptance curve per match length class ("lookup/2", "lookup/3", "lookup/4+", "lookup/8+",
+  "lookup/16+").
 - :class:`FallbackDrafter` (``model+lookup``): the lookup when it finds something, else the model.
 
 How many tokens to propose is the :class:`DraftPlanner`'s call: the configured ``n_draft``, or with
@@ -27,7 +29,7 @@ from .adaptive import (
 )
 from .config import MAX_AUTO_DRAFT, GenerationConfig
 from .errors import NonFiniteLogitsError
-from .lookup import NgramIndex, point_mass_rows
+from .lookup import NgramIndex, match_bucket, point_mass_rows
 from .sampling import ProbRows, fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
 from .stats import StepProfiler
 
@@ -92,7 +94,7 @@ class DraftPlanner:
         """
         if not self.config.auto or room == 0:
             return room
-        if not self.costs.verify or (source != "lookup" and not self.costs.draft):
+        if not self.costs.verify or (not source.startswith("lookup") and not self.costs.draft):
             return min(room, 4)  # measure something first
         tracker = self.tracker(source)
         run = expected_run(tracker.rates[0])
@@ -109,7 +111,7 @@ class DraftPlanner:
     def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):
         """k → estimated ms to draft k tokens from this source, catch-up spread over a run of
         run_tokens tokens."""
-        if source == "lookup":
+        if source.startswith("lookup"):
             return lambda k: 0.0  # a lookup costs no decode
         return lambda k: self.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
 
@@ -240,13 +242,15 @@ class LookupDrafter:
         self.vocab_size = vocab_size
         self.index = NgramIndex()
 
-    def continuation(self, committed: list[int], max_tokens: int) -> list[int]:
-        """What followed the context's last n-gram earlier on (see :class:`NgramIndex`)."""
-        return self.index.continuation(committed, max_tokens)
+    def find(self, committed: list[int], max_tokens: int) -> tuple[list[int], str]:
+        """(continuation, source): what followed the context's last n-gram earlier on (see
+        :class:`NgramIndex`), and "lookup/<match class>" naming how long the match is, so `auto`
+        learns how far each kind of match is right."""
+        tokens, length = self.index.match(committed, max_tokens)
+        return tokens, f"lookup/{match_bucket(length)}"
 
-    def propose(self, committed: list[int], n_draft: int) -> Proposal:
-        tokens = self.continuation(committed, n_draft)
-        return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, "lookup")
+    def propose(self, tokens: list[int], source: str) -> Proposal:
+        return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, source)
 
 
 class FallbackDrafter:
@@ -267,15 +271,16 @@ class FallbackDrafter:
     def propose(self, committed: list[int], room: int) -> Proposal:
         if room == 0:
             return Proposal()
-        if self.name in ("lookup", "model+lookup"):
-            n_draft = self.planner.plan(room, "lookup")
-            self.profile.lap("planning")
-            proposal = self.lookup.propose(committed, n_draft)
-            self.profile.lap("lookup")
-            if proposal.tokens or self.name == "lookup":
-                return proposal
-        guess = self.lookup.continuation(committed, room - 1)
+        found, lookup_source = self.lookup.find(committed, room)
         self.profile.lap("lookup")
+        if self.name != "model" and found:
+            n_draft = self.planner.plan(len(found), lookup_source)
+            self.profile.lap("planning")
+            if n_draft:
+                return self.lookup.propose(found[:n_draft], lookup_source)
+        if self.name == "lookup":
+            return Proposal()
+        guess = found[: room - 1]
         source = "model/guided" if guess else "model"
         n_catch_up = self.model.catch_up_length(committed)
         n_draft = self.planner.plan(room, source, len(guess), n_catch_up)

@@ -39,15 +39,22 @@ class NgramIndex:
 
     def continuation(self, context: Sequence[int], max_tokens: int) -> list[int]:
         """At most max_tokens ids that followed the last n-gram earlier on; context (n,) ids."""
+        return self.match(context, max_tokens)[0]
+
+    def match(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """(continuation, match length): the continuation as :meth:`continuation` finds it, and
+        how many tokens before the context's end equal those before it (the n-gram extended
+        backwards, up to MAX_MATCH_LENGTH; 0 when nothing recurs). A long match is a copy in
+        progress, whose continuation is far more often right than a 2-gram's."""
         self._sync(context)
         if max_tokens <= 0:
-            return []
+            return [], 0
         tokens = self.tokens
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             start = self.latest_start[n].get(tuple(tokens[-n:]))
             if start is not None:
-                return tokens[start + n : start + n + max_tokens]
-        return []
+                return tokens[start + n : start + n + max_tokens], _extend_back(tokens, start, n)
+        return [], 0
 
     def _sync(self, context: Sequence[int]) -> None:
         n_known = len(self.tokens)
@@ -71,6 +78,28 @@ class NgramIndex:
             if stop > first:
                 ngrams = zip(*(tokens[first + i : stop + i] for i in range(n)), strict=True)
                 starts.update(zip(ngrams, range(first, stop), strict=True))  # later starts win
+
+
+MAX_MATCH_LENGTH = 64  # longer matches tell nothing more and would only cost comparisons
+
+
+def _extend_back(tokens: list[int], start: int, n: int) -> int:
+    """Length of the match between the tokens ending at start + n and those ending at the end,
+    given that the last n agree."""
+    end, length = len(tokens), n
+    while length < MAX_MATCH_LENGTH and start + n - length > 0:
+        if tokens[start + n - length - 1] != tokens[end - length - 1]:
+            break
+        length += 1
+    return length
+
+
+def match_bucket(length: int) -> str:
+    """The acceptance class of a lookup match: `auto` learns one acceptance curve per class."""
+    for floor in (16, 8, 4):
+        if length >= floor:
+            return f"{floor}+"
+    return str(length)
 
 
 def point_mass_rows(tokens: Sequence[int], vocab_size: int) -> list[SparseProbs]:

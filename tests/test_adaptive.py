@@ -143,6 +143,32 @@ def test_lookup_matcher_on_crafted_contexts(context, n, expected):
     assert lookup_continuation(context, n) == expected  # the reference agrees
 
 
+@pytest.mark.parametrize(
+    ("context", "expected"),
+    [
+        ([1, 2, 3, 4, 5, 1, 2, 3], ([4, 5], 3)),  # the trigram, preceded by nothing to extend it
+        ([7, 1, 2, 3, 9, 8, 7, 1, 2, 3], ([9, 8], 4)),  # extended back by the 7 before both
+        ([5, 6, 7], ([], 0)),
+        # Overlapping: the 4-gram [1,1,1,1] recurs one token earlier; the match runs back to the start.
+        ([1] * 10, ([1], 9)),
+    ],
+)
+def test_lookup_match_length_extends_the_ngram_backwards(context, expected):
+    assert NgramIndex().match(context, 2) == expected
+
+
+def test_a_long_copy_is_its_own_match_class():
+    from cactus_edge.lookup import MAX_MATCH_LENGTH, match_bucket
+
+    code = list(range(100, 140))
+    tokens, length = NgramIndex().match(code + [1, 2] + code[:30], 4)
+    assert tokens == code[30:34] and length == 30
+    assert [match_bucket(n) for n in (0, 2, 3, 4, 7, 8, 15, 16, 30)] == [
+        "0", "2", "3", "4+", "4+", "8+", "8+", "16+", "16+",
+    ]  # fmt: skip
+    assert NgramIndex().match(code * 3, 1)[1] == MAX_MATCH_LENGTH
+
+
 def test_unigram_matches_on_request():
     assert NgramIndex(min_ngram=1).continuation([4, 5, 6, 7, 5], 4) == [6, 7, 5]
 

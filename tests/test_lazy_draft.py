@@ -99,3 +99,15 @@ def test_generate_compare_runs_plain_then_the_settings_and_prints_the_ratio(tiny
     assert re.match(r"these settings: \[cactus\] \d+ tokens, .*, first token \d+ ms$", lines[2])
     ratio = r"\d+\.\d\dx tokens/s, first token \d+\.\d\dx, end to end \d+\.\d\dx faster"
     assert re.fullmatch(f"these settings vs plain: {ratio}", result.stdout.strip())
+
+
+def test_auto_learns_lookup_acceptance_per_match_class(engine):
+    """A long copy and a stray 2-gram are different evidence: `auto` keeps one curve per class."""
+    engine.reset_estimates()
+    text = "the water is hot and the code is fast " * 6
+    result = engine.generate(text, GenerationConfig(drafter="lookup", temperature=0.0, max_tokens=30, seed=0))
+    sources = {key[0] for key in engine.acceptance}
+    classes = {f"lookup/{name}" for name in ("2", "3", "4+", "8+", "16+")}
+    assert sources and sources <= classes, sources
+    assert {step.drafter for step in result.stats.steps} <= {"lookup", "none"}
+    engine.reset_estimates()
