@@ -21,6 +21,7 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
+from .config import DEFAULT_N_CTX
 from .errors import (
     BackendError,
     ContextLengthError,
@@ -120,7 +121,7 @@ class LlamaModel:
         self,
         path: str | os.PathLike,
         *,
-        n_ctx: int = 4096,
+        n_ctx: int = DEFAULT_N_CTX,
         n_threads: int | None = None,
         n_gpu_layers: int = 0,
         n_batch: int = 512,
@@ -130,7 +131,7 @@ class LlamaModel:
         self.info = info or read_gguf(self.path)  # typed errors for missing / non-GGUF / truncated
         trained = self.info.context_length
         if n_ctx <= 0:
-            n_ctx = trained or 4096
+            n_ctx = trained or DEFAULT_N_CTX
         if trained and n_ctx > trained:
             # Refused rather than warned: past its trained window a model degrades silently.
             raise ContextLengthError(

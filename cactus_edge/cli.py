@@ -227,12 +227,9 @@ class ModelChoice:
     def load(self, method: str = defaults.DEFAULT_METHOD, drafter: str = defaults.DEFAULT_DRAFTER):
         """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
         from .engine import Engine
-        from .registry import load_registry
+        from .registry import resolve_pair
 
-        draft, target = self.draft, self.target
-        if not target:
-            chosen = load_registry().pair(self.pair or "default")
-            draft, target = draft or chosen.draft, chosen.target
+        draft, target = resolve_pair(self.pair, self.draft, self.target)
         if not defaults.needs_draft_model(method, drafter):
             draft = None  # plain decoding and prompt lookup never use the draft model
         elif not draft:
@@ -254,7 +251,9 @@ def model_options(command):
         click.option("--pair", default=None, help="Registered pair (default: 'default')."),
         click.option("--draft", default=None, help="Draft GGUF path or registered name."),
         click.option("--target", default=None, help="Target GGUF path or registered name."),
-        click.option("--n-ctx", type=int, default=4096, show_default=True, help="Context length."),
+        click.option(
+            "--n-ctx", type=int, default=defaults.DEFAULT_N_CTX, show_default=True, help="Context length."
+        ),
         click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores)."),
         click.option(
             "--n-gpu-layers",
@@ -904,12 +903,9 @@ def serve(
 
 def _served_model_name(model) -> str:
     """The id /v1/models lists: the target file's name without .gguf, or the registry's name."""
-    target = model.target
-    if not target:
-        from .registry import load_registry
+    from .registry import resolve_pair
 
-        target = load_registry().pair(model.pair or "default").target
-    name = Path(target).name
+    name = Path(resolve_pair(model.pair, model.draft, model.target)[1]).name
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 

@@ -24,6 +24,7 @@ DEFAULT_MIN_P = 0.0
 # Typical acceptance's defaults (Medusa, vLLM).
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
 DEFAULT_POSTERIOR_ALPHA = 0.3
+DEFAULT_N_CTX = 4096  # tokens of context per model unless asked otherwise
 MAX_DRAFT = 64  # the longest fixed block accepted
 MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this

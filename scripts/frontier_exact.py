@@ -32,6 +32,7 @@ from cactus_edge.bench import load_prompts, per_category
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.sampling import SamplingConfig, fit_logits_to_vocab, process_logits, widen_row
+from cactus_edge.script_args import add_model_args, engine_from_args
 
 SAMPLING = SamplingConfig(temperature=0.6, top_k=20, top_p=0.95)
 
@@ -254,9 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
-    parser.add_argument("--draft", help="Draft GGUF (with --target, instead of --pair).")
-    parser.add_argument("--target", help="Target GGUF.")
+    add_model_args(parser, n_ctx=2048)
     parser.add_argument("--per-category", type=int, default=6, help="Prompts per category (6 = all 30).")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)
@@ -270,11 +269,7 @@ def main() -> None:
     rules = make_rules(
         [float(d) for d in args.deltas.split(",")], [float(t) for t in args.tas_thresholds.split(",")]
     )
-    if args.target:
-        engine = Engine.load(args.draft, args.target, n_ctx=2048)
-    else:
-        engine = Engine.from_pair(args.pair, n_ctx=2048)
-    with engine:
+    with engine_from_args(args) as engine:
         per_prompt = run(engine, prompts, rules, args.max_tokens, folder)
     summary = summarize(per_prompt, args.k, np.random.default_rng(0))
     np.savez_compressed(

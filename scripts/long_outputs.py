@@ -22,6 +22,7 @@ from cactus_edge.bench import load_prompts
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.quality import distinct_ngram_ratio, is_degenerate
+from cactus_edge.script_args import add_model_args, engine_from_args
 
 CATEGORIES = ("explanation", "math")
 
@@ -93,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
+    add_model_args(parser, n_ctx=2048)
     parser.add_argument("--n-draft", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--kl-budget", type=float, default=4.0)
@@ -105,7 +106,7 @@ def main() -> None:
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "long_outputs.jsonl"
-    with Engine.from_pair(args.pair, n_ctx=max(2048, args.max_tokens + 512)) as engine:
+    with engine_from_args(args, n_ctx=max(args.n_ctx, args.max_tokens + 512)) as engine:
         run(engine, prompts, settings, args, out)
     table = report(out, list(settings))
     (folder / "long_outputs.md").write_text(table)

@@ -23,9 +23,16 @@ from cactus_edge.errors import (
     ModelNotFetchedError,
     NameTakenError,
 )
+from cactus_edge.files import write_text_atomically
 from cactus_edge.gguf_info import read_gguf
-from cactus_edge.quantize import QUANT_TYPES, check_quant_type, quantize, toml_text, write_text_atomically
-from cactus_edge.registry import QuantizedSource, load_registry, local_registry_file, resolve_model_path
+from cactus_edge.quantize import QUANT_TYPES, check_quant_type, quantize
+from cactus_edge.registry import (
+    QuantizedSource,
+    load_registry,
+    local_registry_file,
+    local_registry_text,
+    resolve_model_path,
+)
 
 # What llama.cpp's quantizer makes of the tiny model's 21 tensors (rows of 64 or 128 values): the 5
 # norm vectors stay F32; the weights take the type, or a fallback where a row is not a whole number
@@ -362,7 +369,7 @@ def test_toml_text_round_trips_awkward_strings():
             "p": {"draft": "a.b", "target": "a.b", "description": awkward, "source": {"from": awkward}}
         },
     }
-    assert tomllib.loads(toml_text(data)) == data
+    assert tomllib.loads(local_registry_text(data)) == data
 
 
 def test_a_failed_registry_write_keeps_the_old_file(tmp_path, monkeypatch):

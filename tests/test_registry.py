@@ -12,7 +12,6 @@ from cactus_edge.errors import (
     UnknownModelError,
 )
 from cactus_edge.fetch import fetch_model
-from cactus_edge.quantize import toml_text
 from cactus_edge.registry import (
     HubPin,
     HuggingFaceSource,
@@ -24,6 +23,7 @@ from cactus_edge.registry import (
     format_size_mb,
     load_registry,
     local_registry_file,
+    local_registry_text,
     merge_local,
     parse_registry,
     read_local_registry,
@@ -280,4 +280,18 @@ def test_the_local_registry_writer_keeps_pins():
         "models": {"a": {"file": "a.gguf"}},
         "pins": {"m": pin(checked_mtime_ns=1_733_000_000_123_456_789)},
     }
-    assert tomllib.loads(toml_text(data)) == data
+    assert tomllib.loads(local_registry_text(data)) == data
+
+
+def test_resolve_pair_is_the_one_rule_for_choosing_models():
+    from cactus_edge.errors import InvalidSettingError
+    from cactus_edge.registry import load_registry, resolve_pair
+
+    default = load_registry().pair("default")
+    assert resolve_pair() == resolve_pair("default") == (default.draft, default.target)
+    assert resolve_pair(None, None, "t.gguf") == (None, "t.gguf")
+    assert resolve_pair(None, "d.gguf", "t.gguf") == ("d.gguf", "t.gguf")
+    with pytest.raises(InvalidSettingError, match="not both"):
+        resolve_pair("default", "d.gguf", "t.gguf")
+    with pytest.raises(InvalidSettingError, match="needs a target"):
+        resolve_pair(None, "d.gguf", None)
