@@ -197,7 +197,7 @@ def run_bench(
     learnt: dict[str, tuple[CostModel, dict]] = {}
     for index, entry in enumerate(prompts):
         for variant in variants:
-            engine.costs, engine.acceptance = learnt.setdefault(variant.label, (CostModel(), {}))
+            engine.use_estimates(*learnt.setdefault(variant.label, (CostModel(), {})))
             for record in run_conversation(engine, index, entry, variant, settings):
                 records.append(record)
                 progress(
@@ -325,35 +325,6 @@ def project_memory_bound(summary: dict[str, dict], draft_cost_ratio: float) -> N
         entry["projected_speedup_memory_bound"] = entry["tokens_per_verifier_call"] / (
             drafted * draft_cost_ratio + (MEMORY_BOUND_VERIFY_RATIO if entry["method"] != "none" else 1.0)
         )
-
-
-def measure_costs(engine: Engine, max_batch: int = 9, repeats: int = 3) -> dict:
-    """This machine's cost curve: target verify ms for batches of 1..max_batch tokens after a
-    short context, and the draft's ms per single token (medians)."""
-    context = engine.target.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
-    verify = {}
-    for n in range(1, max_batch + 1):
-        times = []
-        for _ in range(repeats):
-            engine.target.reset()
-            engine.target.decode(context, output_rows=())
-            start = time.perf_counter()
-            engine.target.decode(context[:n], output_rows=range(n))
-            times.append((time.perf_counter() - start) * 1000)
-        verify[n] = statistics.median(times)
-    draft_ms = None
-    if engine.draft is not None:
-        engine.draft.reset()
-        engine.draft.decode(context, output_rows=())
-        times = []
-        for token in context[: repeats * 2]:
-            start = time.perf_counter()
-            engine.draft.decode([token])
-            times.append((time.perf_counter() - start) * 1000)
-        draft_ms = statistics.median(times)
-        engine.draft.reset()
-    engine.target.reset()
-    return {"verify_ms": verify, "draft_ms": draft_ms}
 
 
 def _sum_profiles(profiles: list[dict[str, float]]) -> dict[str, float]:

@@ -625,7 +625,6 @@ def bench(
         load_workload,
         make_variants,
         markdown_table,
-        measure_costs,
         peak_rss_mb,
         project_memory_bound,
         run_bench,
@@ -653,7 +652,7 @@ def bench(
         records = run_bench(
             engine, prompts, variants, settings, progress=lambda line: click.echo(line, err=True)
         )
-        costs = measure_costs(engine)
+        costs = engine.measure_costs()
         # Memory-bound, a token costs about the bytes of weights it reads.
         draft_cost_ratio = (
             engine.draft.path.stat().st_size / engine.target.path.stat().st_size if engine.draft else 0.0

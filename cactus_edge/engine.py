@@ -24,6 +24,7 @@ it has let go. Tokenizing and rendering never wait for a generation and share no
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -155,11 +156,8 @@ class _ForeignTokens(dict):
 
 class Engine:
     """A target model and optionally a draft model, and the speculative decoding loop over them.
-
-    Build one from loaded :class:`LlamaModel` objects (tests inject their own), or with
-    :meth:`load` / :meth:`from_pair`, which resolve names and paths and check the pair first
-    (:func:`load_models`).
-    """
+    Build one from loaded :class:`LlamaModel` objects (tests inject their own), or with :meth:`load`
+    / :meth:`from_pair`, which resolve names and check the pair first (:func:`load_models`)."""
 
     def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
         if draft is not None and draft.vocab_size < target.vocab_size:
@@ -184,15 +182,22 @@ class Engine:
         return cls.load(*resolve_pair(name), **kwargs)
 
     def reset_estimates(self) -> None:
-        """Forget what `n_draft="auto"` learnt: this machine's costs, and acceptance rates per
-        (drafter, method, delta). Kept across generations otherwise."""
-        self.costs = CostModel()
-        self.acceptance: dict[tuple, object] = {}
+        """Forget what `n_draft="auto"` learnt (costs; acceptance per drafter, method, delta)."""
+        self.use_estimates(CostModel(), {})
+
+    def use_estimates(self, costs: CostModel, acceptance: dict) -> None:
+        """Let `auto` learn into these from now on (bench gives each variant its own)."""
+        self.costs, self.acceptance = costs, acceptance
+
+    def measure_costs(self, sizes: Sequence[int] = range(1, 10), repeats: int = 3) -> dict:
+        """{"verify_ms": {n: ms}, "draft_ms": one draft token's ms or None}, medians inside
+        llama_decode at the end of the cached text (:func:`measure_batch_costs`), under the lock."""
+        with self._guard.hold(None):
+            return _engine_costs(self.target, self.draft, sizes, repeats)
 
     def close(self, wait: float = 5.0) -> None:
         """Free both models. A running generation is cancelled at its next step; the models are
-        freed once it has let go (at once when idle; waiting up to ``wait`` seconds for another
-        thread's stream). Idempotent."""
+        freed once it has let go (at once when idle, else waiting up to ``wait`` s). Idempotent."""
         if self._life.close():
             self._guard.run_when_free(self._free_models, wait)
 
@@ -224,8 +229,7 @@ class Engine:
             return self.prompts.render(messages)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids for a conversation: the template's markup may produce control tokens, message
-        contents never do (pasted ``<|im_start|>`` stays text)."""
+        """Prompt ids for a conversation (pasted ``<|im_start|>`` in a message stays text)."""
         with self._life.prompt_operation():
             return self.prompts.tokenize_chat(messages)
 
@@ -237,8 +241,7 @@ class Engine:
             return self.prompts.tokenize_prompt(prompt, chat=chat)
 
     def warm_up(self) -> None:
-        """Page the weights in, build the graphs and calibrate `auto` once after loading, so the
-        first request of a long-running process (the server) does not pay for it (:func:`warm_up`)."""
+        """Page the weights in, build the graphs, calibrate `auto` (:func:`warm_up`)."""
         warm_up(self)
 
     # --- generation ------------------------------------------------------------------------------
@@ -267,7 +270,6 @@ class Engine:
         timeout: float | None = None,
     ) -> Iterator[StreamEvent]:
         """Stream the continuation of ``prompt`` (raw text, or token ids), one event per token.
-
         cancel: set it to end the generation at the end of the current step.
         timeout: seconds to wait for the engine if another generation holds it (None: wait),
             then :class:`EngineBusy`."""
@@ -288,9 +290,8 @@ class Engine:
             yield from _Generation(self, prompt_tokens, config, cancel).events()
 
     def clear_caches(self, timeout: float | None = None) -> None:
-        """Empty both KV caches: the next generation prefills its whole prompt, so with a fixed
-        draft length its reply depends on prompt, config and seed alone (a reused prefix changes
-        llama.cpp's rounding, and so can change a sample). timeout: as for :meth:`stream`."""
+        """Empty both KV caches: with a fixed draft length the next reply then depends on prompt,
+        config and seed alone (a reused prefix changes llama.cpp's rounding). timeout: as stream's."""
         self._life.check_open()
         with self._guard.hold(timeout):
             self._life.check_open()
@@ -298,9 +299,8 @@ class Engine:
                 model.reset()
 
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
-        """Problems with the caches, [] when consistent: llama.cpp's position range must equal
-        our mirror of each cache, and with ``expected`` (prompt + emitted tokens) each cache must
-        hold a prefix of it."""
+        """Problems with the caches, [] when consistent: llama.cpp's position range must equal our
+        mirror of each, and each must hold a prefix of ``expected`` (prompt + emitted tokens)."""
         return _cache_problems({"target": self.target, "draft": self.draft}, expected)
 
 
@@ -510,27 +510,43 @@ def warm_up(engine: Engine) -> None:
 
 def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, filler: int) -> None:
     """Measure what `auto` needs before its first choice, once per cost model and model: the
-    target's llama_decode time for each verify batch size and the draft's for short batches, by
-    decodes of ``filler`` at the end of the cache that are cut right after. Learning only the
-    sizes it happens to use, `auto` missed cheap ones (on Q4_0, 4 tokens cost less than 3). Sizes
-    that do not fit the context are skipped; real steps keep refining every size."""
+    target's cost of each verify batch size and the draft's of short batches
+    (:func:`measure_batch_costs`). Learning only the sizes it happens to use, `auto` missed cheap
+    ones (on Q4_0, 4 tokens cost less than 3); real steps keep refining every size."""
     for role, model, sizes, record in (
         ("target", target, CALIBRATION_VERIFY_SIZES, costs.record_verify),
         ("draft", draft, CALIBRATION_DRAFT_SIZES, costs.record_draft),
     ):
-        if model is None or role in costs.calibrated:
-            continue
-        costs.calibrated.add(role)
-        n_past = model.n_past
-        if n_past + 1 <= model.n_ctx:  # untimed: a model's first decode builds its graph (the lazy draft's)
-            model.decode([filler], output_rows=())
-            model.truncate(n_past)
-        for n_tokens in (n for n in sizes if n_past + n <= model.n_ctx):
+        if model is not None and role not in costs.calibrated:
+            costs.calibrated.add(role)
+            for n_tokens, ms in measure_batch_costs(model, sizes, filler).items():
+                record(n_tokens, ms)
+
+
+def _engine_costs(target: LlamaModel, draft: LlamaModel | None, sizes, repeats: int) -> dict:
+    filler = target.tokens[-1] if target.tokens else max(target.bos_token, 0)
+    draft_ms = draft and measure_batch_costs(draft, [1], filler, repeats).get(1)
+    return {"verify_ms": measure_batch_costs(target, sizes, filler, repeats), "draft_ms": draft_ms}
+
+
+def measure_batch_costs(
+    model: LlamaModel, sizes: Sequence[int], filler: int, repeats: int = 1
+) -> dict[int, float]:
+    """This machine's cost of a batch, by size: the median ms inside llama_decode of ``repeats``
+    decodes of ``filler`` × n at the end of the cache (logits for every row, as a verify), cut
+    right after; sizes that do not fit the context are skipped. One untimed decode first: a
+    model's first decode builds its graph (a lazily fed draft may not have decoded yet)."""
+    n_past, measured = model.n_past, {}
+    for n_tokens in (n for n in sizes if n_past + n <= model.n_ctx):
+        times = []
+        for _ in range(repeats + (not measured)):
             try:
                 model.decode([filler] * n_tokens, output_rows=range(n_tokens))
-                record(n_tokens, model.last_decode_ms)
+                times.append(model.last_decode_ms)
             finally:
                 model.truncate(n_past)
+        measured[n_tokens] = statistics.median(times[-repeats:])
+    return measured
 
 
 def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:

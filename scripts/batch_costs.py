@@ -6,9 +6,9 @@
 
 For each model (registered name or GGUF path; one loaded at a time, n_ctx 2048 or its trained
 context if smaller): decode a context of --context tokens (a fixed English + code text, repeated to
-length), warm up once, then for each batch size n, --repeats times: decode the next n tokens with
-logits for all n rows (as a verifier call does), timed with time.perf_counter around
-LlamaModel.decode (llama_decode plus copying the rows out), and truncate back to the context.
+length), then for each batch size n take the median of --repeats decodes of n tokens with logits
+for every row (as a verifier call does), timed inside llama_decode and cut back after: the one
+measurement `auto` calibrates with and `bench` reports (engine.measure_batch_costs).
 Reported: the median ms per batch size, as a Markdown table with the CPU model and thread count
 above it.
 """
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 from cactus_edge.backend import LlamaModel, physical_cores
 from cactus_edge.bench import cpu_model_name
+from cactus_edge.engine import measure_batch_costs
 from cactus_edge.errors import CactusEdgeError
 from cactus_edge.gguf_info import read_gguf
 from cactus_edge.registry import resolve_model_path
@@ -53,30 +52,15 @@ def text_tokens(model: LlamaModel, n_tokens: int) -> list[int]:
     return (head + repeated)[:n_tokens]
 
 
-def time_decode_ms(model: LlamaModel, batch: list[int]) -> float:
-    """One decode of ``batch`` with logits for every row, in ms; the cache is cut back after."""
-    n_before = model.n_past
-    start = time.perf_counter()
-    model.decode(batch, output_rows=range(len(batch)))
-    elapsed_ms = (time.perf_counter() - start) * 1000
-    model.truncate(n_before)
-    return elapsed_ms
-
-
 def measure_model(path: Path, sizes: list[int], repeats: int, n_context: int, threads: int | None) -> dict:
     """Median ms per batch size for one model, loaded for this call only."""
     trained = read_gguf(path).context_length
     with LlamaModel(path, n_ctx=min(N_CTX, trained or N_CTX), n_threads=threads) as model:
         if n_context + max(sizes) > model.n_ctx:
             raise SystemExit(f"error: --context + the largest size exceed {path.name}'s n_ctx {model.n_ctx}")
-        ids = text_tokens(model, n_context + max(sizes))
-        context, continuation = ids[:n_context], ids[n_context:]
+        context = text_tokens(model, n_context)
         model.decode(context, output_rows=())
-        time_decode_ms(model, continuation[: max(sizes)])  # warm-up: pages in, graphs built
-        median_ms = {
-            n: statistics.median(time_decode_ms(model, continuation[:n]) for _ in range(repeats))
-            for n in sizes
-        }
+        median_ms = measure_batch_costs(model, sizes, context[-1], repeats)
         n_threads = model.n_threads
     return {
         "model": path.name,

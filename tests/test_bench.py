@@ -140,6 +140,9 @@ def test_each_variant_keeps_its_own_auto_estimates():
         def clear_caches(self):
             pass
 
+        def use_estimates(self, costs, acceptance):
+            self.costs, self.acceptance = costs, acceptance
+
         def tokenize_chat(self, messages):
             return [1, 2]
 

@@ -111,3 +111,19 @@ def test_auto_learns_lookup_acceptance_per_match_class(engine):
     assert sources and sources <= classes, sources
     assert {step.drafter for step in result.stats.steps} <= {"lookup", "none"}
     engine.reset_estimates()
+
+
+def test_measure_costs_holds_the_engine_and_leaves_the_caches_as_they_were(engine):
+    from cactus_edge.errors import EngineBusy
+
+    result = engine.generate(PROMPT, GenerationConfig(**FIXED, max_tokens=6))
+    held = (list(engine.target.tokens), list(engine.draft.tokens))
+    costs = engine.measure_costs(sizes=[1, 2, 3], repeats=2)
+    assert set(costs["verify_ms"]) == {1, 2, 3} and min(costs["verify_ms"].values()) > 0
+    assert costs["draft_ms"] > 0
+    assert (engine.target.tokens, engine.draft.tokens) == held
+    assert engine.check_caches(engine.tokenize_prompt(PROMPT) + result.tokens) == []
+    with contextlib.closing(engine.stream(PROMPT, GenerationConfig(**FIXED, max_tokens=6))) as stream:
+        next(stream)  # this thread holds the engine: measuring now would race the generation
+        with pytest.raises(EngineBusy):
+            engine.measure_costs(sizes=[1])
