@@ -1,14 +1,15 @@
-"""Who proposes draft tokens, behind one interface: ``propose(committed, room) -> Proposal``.
+"""Where each step's draft tokens come from. The engine asks one :class:`DraftSourceChooser`
+``propose(committed, room) -> Proposal``; it picks the source for the step and asks the
+:class:`DraftPlanner` how many tokens (the configured ``n_draft``, or with ``"auto"`` the k that
+maximises expected tokens per millisecond from this machine's costs). The two sources do different
+work and have their own calls, not a shared interface:
 
-- :class:`ModelDrafter`: the draft model, token by token, or several rows per decode along a
-  lookup guess (lookup-guided draft batching).
-- :class:`LookupDrafter`: prompt n-gram lookup; point-mass proposals, no decode; `auto` keeps
-  one acceptance curve per match length class ("lookup/2", "lookup/3", "lookup/4+", "lookup/8+",
-  "lookup/16+").
-- :class:`FallbackDrafter` (``model+lookup``): the lookup when it finds something, else the model.
-
-How many tokens to propose is the :class:`DraftPlanner`'s call: the configured ``n_draft``, or with
-``"auto"`` the k that maximises expected tokens per millisecond from this machine's costs.
+- :class:`ModelDrafter` ``propose(committed, n_draft, guess, source)``: samples from the draft
+  model, token by token, or several rows per decode along a lookup guess (lookup-guided batching);
+  it first feeds the draft the committed tokens it has not seen (the lazy catch-up).
+- :class:`LookupDrafter` ``find(committed, max_tokens)`` then ``propose(tokens, source)``: prompt
+  n-gram lookup, point-mass proposals, no decode; `auto` keeps one acceptance curve per match
+  length class ("lookup/2", "lookup/3", "lookup/4+", "lookup/8+", "lookup/16+").
 """
 
 from __future__ import annotations
@@ -253,9 +254,11 @@ class LookupDrafter:
         return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, source)
 
 
-class FallbackDrafter:
-    """Chooses the source of each step's drafts for a drafter name ("model", "lookup",
-    "model+lookup") and asks the planner how many."""
+class DraftSourceChooser:
+    """Each step's drafts for a drafter setting: "lookup" drafts only what lookup finds; "model"
+    only the model (fed a lookup guess when there is one); "model+lookup" what lookup finds when
+    `auto` expects it to pay, else the model when it expects that to pay, else nothing (a plain
+    step). The planner says how many tokens."""
 
     def __init__(
         self,

@@ -36,13 +36,13 @@ from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
-from .drafters import DraftPlanner, FallbackDrafter, LookupDrafter, ModelDrafter, Proposal, process_decoded
+from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .gguf_info import check_pair_compatible, read_gguf
 from .output import Output
-from .prompts import Prompts
 from .sampling import sample_token
 from .stats import GenerationResult, GenerationStats, StepProfiler, StepStats, StreamEvent
+from .templates import Prompts
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
 
@@ -366,7 +366,7 @@ class _Generation:
         self.stats.profile_ms = self.profile.ms
         vocab, costs, profile = self.target.vocab_size, engine.costs, self.profile
         model = self.draft and ModelDrafter(self.draft, vocab, config, self.rng, costs, profile)
-        self.drafter = FallbackDrafter(config.drafter, self.planner, model, LookupDrafter(vocab), profile)
+        self.drafter = DraftSourceChooser(config.drafter, self.planner, model, LookupDrafter(vocab), profile)
 
     def events(self) -> Iterator[StreamEvent]:
         try:

@@ -65,6 +65,7 @@ QUANT_TYPES = (
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 _NOT_IN_NAME = re.compile(r"[^a-z0-9._+-]+")
 
+
 @dataclass(frozen=True)
 class Job:
     """One model to make: the file ``source_path`` (``origin`` in the registry: the name it was
