@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from .files import temporary_next_to
 
 
 def plot_bench(summary: dict[str, dict], out_dir: Path) -> list[Path]:
@@ -103,7 +106,7 @@ def plot_frontier(summary: dict[str, dict], out_dir: Path) -> Path | None:
 
 
 def _save(figure, path: Path) -> Path:
-    temporary = path.with_suffix(".tmp.png")
-    figure.savefig(temporary, dpi=110)
-    temporary.replace(path)
+    with temporary_next_to(path) as temporary:
+        figure.savefig(temporary, dpi=110, format="png")
+        os.replace(temporary, path)
     return path

@@ -12,7 +12,7 @@ from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import CactusEdgeError, ContextLengthError
 from cactus_edge.stats import GenerationStats, StreamEvent
 from cactus_edge.tui import CactusChatApp
-from cactus_edge.tui import app as app_module
+from cactus_edge.tui import conversations as conversations_module
 from cactus_edge.tui.widgets import AssistantMessage, StatusBar, UserMessage
 
 SCRIPT = [("Hello", False), (" there", True), (",", True), (" friend", False), ("!", True)]
@@ -239,7 +239,7 @@ async def test_failed_load_is_shown_not_raised():
 
 
 async def test_save_load_round_trip_and_export(monkeypatch, tmp_path):
-    monkeypatch.setattr(app_module, "conversations_dir", lambda: tmp_path)
+    monkeypatch.setattr(conversations_module, "conversations_dir", lambda: tmp_path)
     app, _ = make_app()
     async with app.run_test(size=(80, 24)) as pilot:
         await started(pilot)
@@ -319,7 +319,7 @@ async def test_new_chat_while_a_reply_streams_cancels_it_and_starts_empty(how):
 
 
 async def test_load_while_a_reply_streams_cancels_it_and_shows_only_the_loaded_chat(monkeypatch, tmp_path):
-    monkeypatch.setattr(app_module, "conversations_dir", lambda: tmp_path)
+    monkeypatch.setattr(conversations_module, "conversations_dir", lambda: tmp_path)
     saved = {
         "system": "be brief",
         "messages": [

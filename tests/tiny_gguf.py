@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter, TokenType
 
+from cactus_edge.files import temporary_next_to
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -128,11 +130,11 @@ def write_tiny_llama(
         writer.add_tensor(f"{prefix}.ffn_up.weight", weight(n_ff, n_embd, std=projection))
         writer.add_tensor(f"{prefix}.ffn_down.weight", weight(n_embd, n_ff, std=1 / np.sqrt(n_ff)))
 
-    temporary = path.with_name(path.name + ".tmp")
-    writer.path = temporary
-    writer.write_header_to_file(temporary)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(temporary, path)
+    with temporary_next_to(path) as temporary:
+        writer.path = temporary
+        writer.write_header_to_file(temporary)
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(temporary, path)
     return path
