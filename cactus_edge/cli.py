@@ -14,9 +14,47 @@ import click
 from . import config as defaults
 from .errors import CactusEdgeError
 from .quantize import QUANT_TYPES
-from .stats import profile_table, summary_line
+from .stats import PROFILE_PARTS, GenerationStats
 
 INTERNAL_ERROR_EXIT = 1
+
+
+# --- what the CLI prints about a generation ---------------------------------------------------
+
+
+def profile_table(profile_ms: dict[str, float], n_steps: int, title: str = "") -> str:
+    """Where a step's time went (``--profile``): ms per step for each part, its share of the
+    step, and the host total (everything outside the two llama_decode parts)."""
+    n_steps = max(n_steps, 1)
+    total = sum(profile_ms.values()) or 1.0
+    host = total - profile_ms.get("draft decode", 0.0) - profile_ms.get("verify decode", 0.0)
+    lines = [f"{title}per step, {n_steps} steps | ms | share", "|---|---|---|"]
+    for part in PROFILE_PARTS:
+        ms = profile_ms.get(part, 0.0)
+        lines.append(f"| {part} | {ms / n_steps:.3f} | {100 * ms / total:.1f}% |")
+    lines.append(f"| **host total** | **{host / n_steps:.3f}** | **{100 * host / total:.1f}%** |")
+    return "\n".join(lines)
+
+
+def _clean(value: float, digits: int = 4) -> str:
+    """A number for people: never a negative zero (-0.0000) from rounding a tiny negative."""
+    text = f"{value:.{digits}f}"
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
+def summary_line(stats: GenerationStats) -> str:
+    """The one-line summary the CLI prints after a reply. KL appears only when a lossy rule
+    actually decided a draft token (lossless rules and plain steps are exact)."""
+    kl = f", KL {_clean(stats.kl_mean)}" if stats.lossy and stats.kl_mean is not None else ""
+    budget = ""
+    if kl and stats.kl_budget is not None:
+        budget = f" (total {_clean(stats.kl_total)} of budget {stats.kl_budget:g})"
+    histogram = f", draft lengths {stats.draft_length_histogram}" if stats.method != "none" else ""
+    return (
+        f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+        f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
+        f"{stats.n_verifier_calls} verifier calls{kl}{budget}{histogram}, finish: {stats.finish_reason}"
+    )
 
 
 def handle_errors(command):

@@ -38,10 +38,11 @@ from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
+from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
 from .output import Output
 from .sampling import sample_token
-from .stats import GenerationResult, GenerationStats, StepProfiler, StepStats, StreamEvent
+from .stats import GenerationStats, StepProfiler, StepStats
 from .templates import Prompts
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from .config import GenerationConfig
 from .errors import InvalidSettingError, UnsupportedParameterError
-from .stats import GenerationStats, StreamEvent
+from .events import StreamEvent
+from .stats import GenerationStats
 
 if TYPE_CHECKING:  # only for annotations: importing .engine would load llama.cpp
     from .engine import Engine

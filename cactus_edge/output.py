@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .stats import GenerationStats, StreamEvent
+from .events import StreamEvent
+from .stats import GenerationStats
 
 
 class StopFilter:

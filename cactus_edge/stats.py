@@ -1,10 +1,17 @@
-"""Statistics and events of a generation, in a module that imports no llama.cpp (the TUI, the CLI
-and the OpenAI-shaped layer read them without loading a model library)."""
+"""Statistics of a generation, in a module that imports no llama.cpp (the TUI, the CLI and the
+OpenAI-shaped layer read them without loading a model library)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+# How a generation ended: an end-of-generation token, max_tokens or a full context, a stop string,
+# or the caller's cancel / close.
+FinishReason = Literal["stop", "length", "stop-string", "cancelled"]
+# What proposed a step's drafts: the draft model, prompt lookup, or nothing (a plain step).
+DraftSource = Literal["model", "lookup", "none"]
 
 
 @dataclass
@@ -17,7 +24,7 @@ class StepStats:
     verify_ms: float
     total_ms: float
     kl: float | None = None  # mean KL(out ‖ target) over the positions decided this step
-    drafter: str = "model"  # what proposed this block: "model", "lookup" or "none" (k = 0)
+    drafter: DraftSource = "model"  # what proposed this block ("none": k = 0)
     n_decided: int = 0  # draft positions the rule judged (accepted ones + the first rejection)
 
 
@@ -88,7 +95,7 @@ class GenerationStats:
     kl_steps: int = 0
     kl_total: float = 0.0
     kl_budget: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     steps: list[StepStats] = field(default_factory=list)
     profile_ms: dict[str, float] = field(default_factory=dict)  # ms per PROFILE_PARTS entry
 
@@ -167,67 +174,3 @@ class GenerationStats:
             draft_length_histogram=self.draft_length_histogram,
         )
         return data
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One emitted token (or, last, the end of the stream).
-
-    text: visible text this event adds ("" while a possible stop string or an unfinished UTF-8
-        character is held back).
-    token: the token id; None on the final event.
-    from_draft: True for an accepted draft token, False for a token the target produced.
-    step: index of the verifier call that produced the token.
-    finish_reason: set on the final event only.
-    stats: the generation's running statistics (complete on the final event).
-    """
-
-    text: str
-    token: int | None
-    from_draft: bool = False
-    step: int = 0
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    stats: GenerationStats
-
-
-def profile_table(profile_ms: dict[str, float], n_steps: int, title: str = "") -> str:
-    """Where a step's time went (``--profile``): ms per step for each part, its share of the
-    step, and the host total (everything outside the two llama_decode parts)."""
-    n_steps = max(n_steps, 1)
-    total = sum(profile_ms.values()) or 1.0
-    host = total - profile_ms.get("draft decode", 0.0) - profile_ms.get("verify decode", 0.0)
-    lines = [f"{title}per step, {n_steps} steps | ms | share", "|---|---|---|"]
-    for part in PROFILE_PARTS:
-        ms = profile_ms.get(part, 0.0)
-        lines.append(f"| {part} | {ms / n_steps:.3f} | {100 * ms / total:.1f}% |")
-    lines.append(f"| **host total** | **{host / n_steps:.3f}** | **{100 * host / total:.1f}%** |")
-    return "\n".join(lines)
-
-
-def _clean(value: float, digits: int = 4) -> str:
-    """A number for people: never a negative zero (-0.0000) from rounding a tiny negative."""
-    text = f"{value:.{digits}f}"
-    return text[1:] if text.startswith("-") and float(text) == 0 else text
-
-
-def summary_line(stats: GenerationStats) -> str:
-    """The one-line summary the CLI prints after a reply. KL appears only when a lossy rule
-    actually decided a draft token (lossless rules and plain steps are exact)."""
-    kl = f", KL {_clean(stats.kl_mean)}" if stats.lossy and stats.kl_mean is not None else ""
-    budget = ""
-    if kl and stats.kl_budget is not None:
-        budget = f" (total {_clean(stats.kl_total)} of budget {stats.kl_budget:g})"
-    histogram = f", draft lengths {stats.draft_length_histogram}" if stats.method != "none" else ""
-    return (
-        f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
-        f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
-        f"{stats.n_verifier_calls} verifier calls{kl}{budget}{histogram}, finish: {stats.finish_reason}"
-    )

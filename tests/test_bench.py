@@ -124,7 +124,8 @@ def test_each_variant_keeps_its_own_auto_estimates():
     """An `auto` variant must not learn from the variant run before it on the same prompt: each
     variant sees its own costs and acceptance rates, the same ones on every prompt."""
     from cactus_edge.bench import run_bench
-    from cactus_edge.stats import GenerationResult, GenerationStats, StreamEvent
+    from cactus_edge.events import GenerationResult, StreamEvent
+    from cactus_edge.stats import GenerationStats
 
     class RecordingEngine:
         draft = object()

@@ -138,7 +138,8 @@ def test_an_internal_error_is_not_reported_as_bad_input(runner, tiny_pair, monke
 
 
 def test_summary_line_prints_no_negative_zero_and_no_kl_for_lossless_runs():
-    from cactus_edge.stats import GenerationStats, StepStats, summary_line
+    from cactus_edge.cli import summary_line
+    from cactus_edge.stats import GenerationStats, StepStats
 
     lossy = GenerationStats(method="cactus", lossy=True)
     lossy.record(StepStats(4, 4, 1.0, 1.0, 2.0, kl=-1e-18, n_decided=4))  # rounding below zero

@@ -10,6 +10,7 @@ import pytest
 
 from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import InvalidSettingError, UnsupportedParameterError
+from cactus_edge.events import StreamEvent
 from cactus_edge.openai_compat import (
     NEUTRAL_ONLY,
     SETTINGS,
@@ -18,7 +19,7 @@ from cactus_edge.openai_compat import (
     chat_completion,
     parse_request,
 )
-from cactus_edge.stats import GenerationStats, StreamEvent
+from cactus_edge.stats import GenerationStats
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

@@ -10,7 +10,8 @@ import pytest
 
 from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import CactusEdgeError, ContextLengthError
-from cactus_edge.stats import GenerationStats, StreamEvent
+from cactus_edge.events import StreamEvent
+from cactus_edge.stats import GenerationStats
 from cactus_edge.tui import CactusChatApp
 from cactus_edge.tui import conversations as conversations_module
 from cactus_edge.tui.widgets import AssistantMessage, StatusBar, UserMessage

@@ -12,7 +12,8 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Input, LoadingIndicator, Static
 
 from cactus_edge.config import GenerationConfig
-from cactus_edge.stats import GenerationStats, StreamEvent
+from cactus_edge.events import StreamEvent
+from cactus_edge.stats import GenerationStats
 
 from .commands import HELP
 from .widgets import LEGEND, AssistantMessage, Reply, StatusBar, UserMessage

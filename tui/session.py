@@ -19,7 +19,8 @@ from textual.message import Message
 
 from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import ContextLengthError
-from cactus_edge.stats import GenerationStats, StreamEvent
+from cactus_edge.events import StreamEvent
+from cactus_edge.stats import GenerationStats
 
 from .conversations import Transcript
 from .widgets import AssistantMessage, Reply

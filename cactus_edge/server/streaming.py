@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..stats import StreamEvent
+from ..events import StreamEvent
 from .errors import HTTPError, from_library_error
 from .exchange import Exchange
 from .responses import ResponseShape, openai_finish, response_blocks, sse_event
