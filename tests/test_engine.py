@@ -9,9 +9,10 @@ from scipy import stats as scipy_stats
 from cactus_edge.backend import LlamaModel
 from cactus_edge.engine import Engine, GenerationConfig, _Generation
 from cactus_edge.errors import ContextLengthError, IncompatiblePairError
+from cactus_edge.openai_compat import create_chat_completion
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
-from .first_tokens import first_token_counts
+from .first_tokens import assert_first_drafted_steps_follow_the_target, sample_first_drafted_steps, target_row
 
 PROMPT = "the water is hot and"
 # Batched verification and one-token decoding can differ by ~1e-3 in a logit (f32 sums in another
@@ -31,11 +32,31 @@ def target_alone(tiny_pair):
         yield model
 
 
+@pytest.fixture(scope="module")
+def draft_alone(tiny_pair):
+    with LlamaModel(tiny_pair[0], n_ctx=512) as model:
+        yield model
+
+
 def top2_margin(model, tokens):
     model.reset()
     logits = model.decode(tokens)[0]
     top = np.sort(logits)[-2:]
     return float(top[1] - top[0])
+
+
+def assert_same_greedy_tokens(model, context, expected, actual) -> bool:
+    """Greedy tokens after ``context`` from two runs are equal, or first differ where ``model``'s
+    top-2 margin is below FLIP_MARGIN: llama.cpp's logits move in the 6th digit with the batch
+    shape, the cache history and the CPU, so a near-tie may rightly flip. True when equal; past a
+    flip the two continue from different prefixes and nothing more can be compared."""
+    pairs = enumerate(zip(expected, actual, strict=False))
+    index = next((i for i, (a, b) in pairs if a != b), min(len(expected), len(actual)))
+    if index == len(expected) == len(actual):
+        return True
+    margin = top2_margin(model, [*context, *expected[:index]])
+    assert margin < FLIP_MARGIN, f"token {index} differs with a top-2 margin of {margin}"
+    return False
 
 
 @pytest.mark.parametrize("method", ["sps", "cactus", "tas", "exact"])
@@ -101,32 +122,24 @@ def test_no_stale_cache_after_partial_acceptance(engine, tiny_pair):
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("draft_p_min", [None, 0.5])
-def test_first_tokens_follow_the_target_distribution_under_sps(engine, target_alone, draft_p_min):
-    """End to end: over many seeds, the first generated token under SpS with drafting active
-    follows the target's own processed distribution (chi-square, p > 0.001). With draft_p_min, a
-    draft below it ends the block but is still verified: dropping it would leave its position to
-    the target only when the draft sampled an unlikely token, a biased mix."""
-    sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
+def test_first_drafted_step_follows_the_target_distribution_under_sps(engine, target_alone, draft_p_min):
+    """End to end: over many seeds, the second generated token under SpS, given the first, follows
+    the target's own processed distribution. The first token comes from the target's prefill
+    alone; the second step is the first that drafts, and its drafts are often accepted. With
+    draft_p_min, a draft below it ends the block but is still verified: dropping it would leave
+    its position to the target only when the draft sampled an unlikely token, a biased mix."""
+    sampling = {"temperature": 1.0, "top_k": 6, "top_p": 1.0}
     prompt_tokens = engine.tokenize_prompt(PROMPT)
-    target_alone.reset()
-    target_probs = to_dense(process_logits(target_alone.decode(prompt_tokens)[0], sampling))
-    support = np.flatnonzero(target_probs)
     n_runs = 3000
-    counts, accepted_first = first_token_counts(
-        engine,
-        prompt_tokens,
-        n_runs,
-        method="sps",
-        n_draft=3,
-        temperature=1.0,
-        top_k=6,
-        top_p=1.0,
-        draft_p_min=draft_p_min,
+    steps = sample_first_drafted_steps(
+        engine, prompt_tokens, n_runs, method="sps", n_draft=3, draft_p_min=draft_p_min, **sampling
     )
-    assert accepted_first > n_runs * 0.1  # the first token is often an accepted draft
-    assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
-    expected = target_probs[support] * n_runs
-    assert scipy_stats.chisquare(counts[support], expected).pvalue > 1e-3
+    assert steps.n_first_step_drafts == 0  # the first token is the target's alone
+    assert steps.second_step_drafted_after.total() == n_runs  # every second step drafted
+    assert steps.n_second_step_accepted > n_runs * 0.1  # the second token is often an accepted draft
+    assert_first_drafted_steps_follow_the_target(
+        target_alone, prompt_tokens, steps, SamplingConfig(**sampling)
+    )
 
 
 def test_stop_string_split_across_tokens_is_never_emitted(engine):
@@ -167,8 +180,10 @@ def test_max_tokens_is_exact_with_speculation(engine, max_tokens):
     assert result.finish_reason == "length"
 
 
-def test_context_exhaustion_ends_with_length(tiny_pair):
+def test_context_exhaustion_ends_with_length(tiny_pair, monkeypatch):
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=48) as small:
+        # ~250 tokens sampled at temperature 1: an end-of-text token would end with "stop" first.
+        monkeypatch.setattr(small.target, "is_end_of_generation", lambda token: False)
         prompt = small.tokenize_prompt(PROMPT)
         result = small.generate(
             prompt,
@@ -178,12 +193,12 @@ def test_context_exhaustion_ends_with_length(tiny_pair):
         )
         assert result.finish_reason == "length"
         # llama.cpp rounds n_ctx up; every position of the context is used, plus the last token.
-        assert len(prompt) + len(result.tokens) == small.target.n_ctx + 1
+        assert len(prompt) + len(result.tokens) == small.n_ctx + 1
         with pytest.raises(ContextLengthError, match="the prompt has"):
-            small.generate([300] * (small.target.n_ctx + 5), GenerationConfig())
+            small.generate([300] * (small.n_ctx + 5), GenerationConfig())
 
 
-def test_cancel_mid_stream_then_generate_normally(engine, tiny_pair):
+def test_cancel_mid_stream_then_generate_normally(engine, target_alone, tiny_pair):
     config = GenerationConfig(method="cactus", temperature=0.0, max_tokens=40, n_draft=3)
     reference = engine.generate(PROMPT, config)
     cancel = threading.Event()
@@ -194,17 +209,19 @@ def test_cancel_mid_stream_then_generate_normally(engine, tiny_pair):
             cancel.set()
     assert events[-1].finish_reason == "cancelled"
     assert len(events) - 1 <= 3 + config.n_draft  # stops at the end of the current step
-    assert engine.generate(PROMPT, config).tokens == reference.tokens
+    again = engine.generate(PROMPT, config).tokens  # from another cache history than the reference
+    assert_same_greedy_tokens(target_alone, engine.tokenize_prompt(PROMPT), reference.tokens, again)
     assert_caches_fresh(engine, tiny_pair)
 
 
-def test_closing_the_stream_leaves_caches_consistent(engine, tiny_pair):
+def test_closing_the_stream_leaves_caches_consistent(engine, target_alone, tiny_pair):
     config = GenerationConfig(method="sps", temperature=0.0, max_tokens=40, n_draft=4)
     reference = engine.generate(PROMPT, config)
     stream = engine.stream("the code is", config)
     next(stream), next(stream)
     stream.close()
-    assert engine.generate(PROMPT, config).tokens == reference.tokens
+    again = engine.generate(PROMPT, config).tokens  # from another cache history than the reference
+    assert_same_greedy_tokens(target_alone, engine.tokenize_prompt(PROMPT), reference.tokens, again)
     assert_caches_fresh(engine, tiny_pair)
 
 
@@ -266,7 +283,9 @@ def test_incompatible_pair_is_refused_before_loading(tiny_pair, tiny_mismatch):
         Engine.load(str(tiny_pair[0]), str(tiny_mismatch), n_ctx=128)
 
 
-def test_statistics_are_consistent(engine):
+def test_statistics_are_consistent(engine, monkeypatch):
+    # 50 tokens sampled at temperature 0.8: an end-of-text token would end the reply early.
+    monkeypatch.setattr(engine.target, "is_end_of_generation", lambda token: False)
     result = engine.generate(
         PROMPT,
         GenerationConfig(method="cactus", delta=0.5, n_draft=4, temperature=0.8, max_tokens=50, seed=2),
@@ -303,11 +322,11 @@ def test_invalid_generation_settings(kwargs, name):
 
 def test_openai_style_completion(engine):
     messages = [{"role": "user", "content": "hello"}]
-    completion = engine.create_chat_completion(messages, max_tokens=8, temperature=0.0)
+    completion = create_chat_completion(engine, messages, max_tokens=8, temperature=0.0)
     assert completion["object"] == "chat.completion"
     assert completion["choices"][0]["message"]["role"] == "assistant"
     assert completion["usage"]["completion_tokens"] == 8
-    chunks = list(engine.create_chat_completion(messages, max_tokens=8, temperature=0.0, stream=True))
+    chunks = list(create_chat_completion(engine, messages, max_tokens=8, temperature=0.0, stream=True))
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
@@ -336,31 +355,46 @@ def test_greedy_equivalence_for_every_drafter_and_draft_policy(engine, target_al
     assert plain.tokens == spec.tokens
 
 
+def lookup_prompt(engine, target_alone, sampling, max_rounds=10):
+    """A prompt after which lookup proposes whatever first token t1 the target samples:
+    BOS + [P + c + G_c for each candidate c] + P, P the words of PROMPT and G_c the target's own
+    greedy continuation of BOS + P + c. After prompt + [t1] the context ends with P + t1, which
+    occurred before, followed by G_t1: lookup proposes G_t1, which the target likes, so lookup
+    drafts are often accepted. The candidates must cover the target's support after the prompt
+    they build, so the prompt is rebuilt until they do."""
+    head = engine.tokenize_prompt(PROMPT)
+    bos, words = head[:1], head[1:]
+    greedy = GenerationConfig(method="none", temperature=0.0, max_tokens=4)
+    continuations: dict[int, list[int]] = {}
+    prompt_tokens = head
+    for _ in range(max_rounds):
+        support = {int(c) for c in np.flatnonzero(target_row(target_alone, prompt_tokens, sampling))}
+        if support <= continuations.keys():
+            return prompt_tokens
+        for c in sorted(support - continuations.keys()):
+            continuations[c] = engine.generate([*head, c], greedy).tokens
+        segments = [[*words, c, *continuations[c]] for c in sorted(continuations)]
+        prompt_tokens = bos + [t for segment in segments for t in segment] + words
+    raise AssertionError(f"no prompt in {max_rounds} rounds whose candidates cover the target's support")
+
+
 @pytest.mark.statistical
 def test_lookup_drafter_keeps_sps_lossless(engine, target_alone):
-    """First token under SpS with prompt-lookup proposals follows the target's distribution."""
-    sampling = SamplingConfig(temperature=1.0, top_k=6, top_p=1.0)
-    # Context = P + G + P, G the target's own greedy continuation of P: at the end, lookup
-    # proposes G again, which the target likes, so lookup drafts are often accepted.
-    head = engine.tokenize_prompt(PROMPT)
-    greedy = engine.generate(head, GenerationConfig(method="none", temperature=0.0, max_tokens=8)).tokens
-    prompt_tokens = head + greedy + head[1:]
-    target_alone.reset()
-    target_probs = to_dense(process_logits(target_alone.decode(prompt_tokens)[0], sampling))
-    support = np.flatnonzero(target_probs)
-    config = dict(
-        method="sps", drafter="lookup", n_draft=3, temperature=1.0, top_k=6, top_p=1.0, max_tokens=3
+    """The second token under SpS with prompt-lookup proposals, given the first, follows the
+    target's distribution; every second step is a lookup proposal, often accepted."""
+    sampling = {"temperature": 1.0, "top_k": 6, "top_p": 1.0}
+    prompt_tokens = lookup_prompt(engine, target_alone, SamplingConfig(**sampling))
+    n_runs = 2000
+    steps = sample_first_drafted_steps(
+        engine, prompt_tokens, n_runs, method="sps", drafter="lookup", n_draft=3, **sampling
     )
-    counts = np.zeros(target_probs.size, dtype=np.int64)
-    n_runs, accepted_first = 2000, 0
-    for seed in range(n_runs):
-        result = engine.generate(prompt_tokens, GenerationConfig(seed=seed, **config))
-        assert result.stats.steps[0].drafter == "lookup"
-        counts[result.tokens[0]] += 1
-        accepted_first += result.stats.steps[0].n_accepted > 0
-    assert accepted_first > n_runs * 0.1
-    assert counts[np.setdiff1d(np.arange(counts.size), support)].sum() == 0
-    assert scipy_stats.chisquare(counts[support], target_probs[support] * n_runs).pvalue > 1e-3
+    assert steps.n_first_step_drafts == 0
+    assert steps.second_step_drafters == {"lookup": n_runs}  # an empty proposal is labelled "none"
+    assert steps.second_step_drafted_after.total() == n_runs, steps.second_step_drafted_after
+    assert steps.n_second_step_accepted > n_runs * 0.1
+    assert_first_drafted_steps_follow_the_target(
+        target_alone, prompt_tokens, steps, SamplingConfig(**sampling)
+    )
 
 
 def test_lookup_needs_no_draft_model(tiny_pair):
@@ -382,13 +416,16 @@ def test_auto_records_costs_and_reports_chosen_lengths(engine):
 
 
 class _Drafting:
-    """A generation brought up to its first draft: caches hold the prompt minus its last token."""
+    """A generation brought up to a first draft from the model after the prompt: both caches cut
+    back to what they share with the prompt minus its last token (reuse_prefixes), the draft then
+    catching up on the rest inside its first sampling decode, as in the engine's first drafting
+    step. The target decodes nothing: only the draft is under test."""
 
     def __init__(self, engine, prompt_tokens, **settings):
         self.generation = _Generation(
             engine, list(prompt_tokens), GenerationConfig(**settings), threading.Event()
         )
-        self.generation.prefill()
+        self.generation.reuse_prefixes()
 
     def sample_draft(self, n_draft, guess=()):
         return self.generation.drafter.model.sample(self.generation.committed, n_draft, guess)
@@ -397,17 +434,26 @@ class _Drafting:
 _drafting = _Drafting
 
 
-def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(engine, monkeypatch):
+def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(
+    engine, draft_alone, monkeypatch
+):
+    """Greedy drafts along a guess equal the draft's token-by-token greedy drafts (up to a
+    near-tie, which another batch shape may rightly flip: then the decode counts no longer apply
+    and the test ends there)."""
     prompt_tokens = engine.tokenize_prompt(REPETITIVE)
     unguided = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
     own_greedy, _, _ = unguided.sample_draft(4)
     calls = []
     real_decode = engine.draft.decode
     monkeypatch.setattr(engine.draft, "decode", lambda *a, **k: calls.append(a[0]) or real_decode(*a, **k))
-    # The draft's own continuation as the guess: one batch decode yields all four rows.
+    # The draft's own continuation as the guess, from an empty draft cache: one batch decode of the
+    # whole prompt (the draft's lazy catch-up) and the guess yields all four rows.
+    engine.clear_caches()
     guided = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
     tokens, rows, _ = guided.sample_draft(4, own_greedy)
-    assert tokens == own_greedy and len(rows) == 4 and len(calls) == 1
+    if not assert_same_greedy_tokens(draft_alone, prompt_tokens, own_greedy, tokens):
+        return
+    assert len(rows) == 4 and calls == [prompt_tokens + own_greedy[:3]]
     assert engine.draft.tokens == (prompt_tokens + tokens)[: engine.draft.n_past]
     # A guess the draft leaves after one token: rows after the deviation come from new decodes, and
     # the guessed tokens it did not follow are cut from the cache.
@@ -415,7 +461,9 @@ def test_a_lookup_guess_batches_the_draft_decodes_without_changing_the_drafts(en
     wrong = [own_greedy[0]] + [(t + 1) % engine.target.vocab_size for t in own_greedy[1:]]
     deviating = _drafting(engine, prompt_tokens, temperature=0.0, n_draft=4)
     tokens, _, _ = deviating.sample_draft(4, wrong)
-    assert tokens == own_greedy and len(calls) == 3
+    if not assert_same_greedy_tokens(draft_alone, prompt_tokens, own_greedy, tokens):
+        return
+    assert len(calls) == 3
     assert engine.draft.tokens == (prompt_tokens + tokens)[: engine.draft.n_past]
 
 
@@ -469,6 +517,9 @@ def test_warm_up_calibrates_auto_and_changes_no_output(engine, monkeypatch):
     import cactus_edge.engine as engine_module
 
     config = GenerationConfig(method="cactus", n_draft=3, max_tokens=12, seed=5)
+    # Compared from the same (empty) cache: another history may move the logits' 6th digit, and
+    # at temperature 0.6 with them a sampled token.
+    engine.clear_caches()
     before = engine.generate(PROMPT, config).tokens
     engine.reset_estimates()
     seen_before_calibration = []
@@ -483,8 +534,9 @@ def test_warm_up_calibrates_auto_and_changes_no_output(engine, monkeypatch):
     assert seen_before_calibration == [{}]  # the cold warm-up decodes' timings were forgotten
     assert engine.costs.calibrated == {"target", "draft"}
     assert set(engine.costs.verify.by_size) >= set(range(1, 10))
-    assert engine.acceptance == {}  # nothing learnt about acceptance from a 1-token reply
+    assert engine.acceptance == {}  # nothing learnt about acceptance from a 2-token reply
     assert engine.check_caches() == []
+    engine.clear_caches()
     assert engine.generate(PROMPT, config).tokens == before
 
 
