@@ -25,6 +25,9 @@ MAX_PROBE_INTERVAL = 256  # …doubling up to this while probes keep failing
 # Draft only when the expected rate beats plain decoding by this fraction: the estimates are
 # moving averages of noisy timings, and a step also costs what they leave out (sampling, lookup).
 SPECULATION_MARGIN = 0.05
+# Tokens a draft catch-up (the lazily fed prompt, or what plain steps skipped) is spread over at
+# most: once fed, the draft stays nearly in sync for the rest of the reply, but the reply may end.
+CATCH_UP_HORIZON = 64
 
 
 def expected_tokens(acceptance: np.ndarray, n_draft: int) -> float:

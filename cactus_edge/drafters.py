@@ -84,21 +84,26 @@ class DraftPlanner:
             self.trackers[key] = AcceptanceTracker(MAX_AUTO_DRAFT)
         return self.trackers[key]
 
-    def plan(self, room: int, source: str, n_guided: int = 0, n_catch_up: int = 0) -> int:
+    def plan(
+        self, room: int, source: str, n_guided: int = 0, n_catch_up: int = 0, horizon: float = 0.0
+    ) -> int:
         """How many tokens to draft this step (≤ room).
 
-        Resuming drafting after k = 0 steps first feeds the draft every token it skipped. That
-        catch-up is charged spread over the drafting run it is expected to start (geometric in
-        the first-position acceptance): in copied code it is nearly free, in prose a resumption
-        on a stray 2-gram match must pay for all of it. A probe is only made when it could pay
-        at full acceptance with the whole catch-up counted.
+        Drafting with the model first feeds the draft every committed token it has not seen: the
+        prompt (or a new turn) the first time, since the draft is fed lazily, and whatever it
+        skipped during k = 0 steps. That catch-up is charged spread over the tokens it buys: the
+        drafting run it is expected to start (geometric in the first-position acceptance), or the
+        ``horizon`` (tokens the reply may still use the draft for) if longer — once caught up the
+        draft stays nearly in sync. So a long prompt is worth feeding only when the gain over the
+        horizon exceeds its cost. A probe is only made when it could pay at full acceptance with
+        the whole catch-up counted.
         """
         if not self.config.auto or room == 0:
             return room
         if not self.costs.verify or (not source.startswith("lookup") and not self.costs.draft):
             return min(room, 4)  # measure something first
         tracker = self.tracker(source)
-        run = expected_run(tracker.rates[0])
+        run = max(expected_run(tracker.rates[0]), horizon)
         draft_ms = self.draft_cost(source, n_guided, n_catch_up, run)
         k = choose_draft_length(tracker.rates, draft_ms, self.costs.verify_ms, room, SPECULATION_MARGIN)
         if tracker.should_probe():
@@ -271,7 +276,8 @@ class DraftSourceChooser:
         self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
         self.profile = profile
 
-    def propose(self, committed: list[int], room: int) -> Proposal:
+    def propose(self, committed: list[int], room: int, horizon: float = 0.0) -> Proposal:
+        """This step's drafts (≤ room tokens); ``horizon``: tokens the reply may still draft for."""
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
@@ -286,6 +292,6 @@ class DraftSourceChooser:
         guess = found[: room - 1]
         source = "model/guided" if guess else "model"
         n_catch_up = self.model.catch_up_length(committed)
-        n_draft = self.planner.plan(room, source, len(guess), n_catch_up)
+        n_draft = self.planner.plan(room, source, len(guess), n_catch_up, horizon)
         self.profile.lap("planning")
         return self.model.propose(committed, n_draft, guess, source)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import step_kl
-from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
+from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CATCH_UP_HORIZON, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
@@ -440,7 +440,8 @@ class _Generation:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
         step_start = time.perf_counter()
         self.profile.start()
-        proposal = self.drafter.propose(self.committed, self.draft_room())
+        horizon = min(self.config.max_tokens - self.n_generated, CATCH_UP_HORIZON)
+        proposal = self.drafter.propose(self.committed, self.draft_room(), horizon)
         target_rows, verify_ms = self.verify(proposal)
         emitted, n_accepted, acceptance_probs, kl = self.decide(proposal, target_rows)
         self.planner.learn(proposal, acceptance_probs, emitted[0])

@@ -291,3 +291,21 @@ def test_the_planner_probes_at_the_cheap_batch_size():
     # The prior acceptance makes drafting lose here, so k = 0 until the probe is due, which
     # drafts 4 (a 5-token verify batch, 189 ms), not max(k + 1, 2) = 2 (a 3-token batch, 188 ms).
     assert chosen[:-1] == [0] * (MIN_PROBE_INTERVAL - 1) and chosen[-1] == 4
+
+
+def test_a_lazy_prompt_catch_up_is_spread_over_the_horizon_it_buys():
+    """The draft is fed the prompt only when the model first drafts: charged to one step, a
+    200-token catch-up would keep `auto` from ever drafting; spread over the 64 tokens the reply
+    may still draft for, it is paid when the acceptance makes drafting worth it."""
+    costs = CostModel()
+    costs.record_draft(1, 10.0)
+    costs.record_draft(5, 14.0)  # line: 9 + 1 n; a 200-token catch-up costs about 200 ms
+    for n_tokens in range(1, 10):
+        costs.record_verify(n_tokens, 40.0 + 10.0 * n_tokens)
+    trackers: dict = {}
+    planner = DraftPlanner(GenerationConfig(n_draft="auto"), costs, trackers)
+    planner.tracker("model").rates[:] = 0.9
+    planner.tracker("model").probe_every = 10**9  # no probe: the plan alone
+    assert planner.plan(8, "model", n_catch_up=200) == 0
+    assert planner.plan(8, "model", n_catch_up=200, horizon=64) > 0
+    assert planner.plan(8, "model", n_catch_up=5000, horizon=64) == 0  # a long prompt does not pay
