@@ -2,29 +2,35 @@
 
 Layout, one concern a module:
 
-* ``settings``: :class:`ServerSettings` (how the server listens, what it lets through), the
-  defaults, Host-header names.
+* ``settings``: :class:`ServerSettings` (how the server listens, what it lets through, its
+  timeouts and limits), the defaults, Host-header names.
+* ``connections``: below the app, uvicorn's h11 protocol with deadlines for idle connections,
+  headers and bodies, a cap on open connections under the descriptor limit, envelopes for the
+  protocol layer's own answers (malformed HTTP, 408, 503), rate-limited accept-error logs.
 * ``app``: :class:`ServerApp`, a plain ASGI application over an Engine (or none yet: ``/health``
   says 503 while the CLI loads the models, then :meth:`ServerApp.attach` makes it ready). It
-  routes each request after ``guards`` checked it (Host, Origin, API key; CORS preflight),
-  parses it with ``parsing`` (size, JSON, :func:`~cactus_edge.openai_compat.parse_request`,
-  messages or prompt, tokenizing), checks it fits the context and hands it to the scheduler.
+  routes each request after ``guards`` checked it (Host, Origin, CORS preflight, API key), takes
+  a place in the queue before reading the body, parses it with ``parsing`` (size, JSON, lone
+  surrogates, :func:`~cactus_edge.openai_compat.parse_request`, messages or prompt, tokenizing
+  one prompt at a time), checks it fits the context and hands it to the scheduler.
 * ``scheduler``: :class:`Scheduler` owns the engine: ONE worker thread runs one generation at a
-  time, in arrival order, from a bounded queue (``max_queue`` waiting behind the running one;
-  more get 503). A running generation is never pre-empted. A request whose client goes away is
-  withdrawn from the queue, or, if it runs, cancelled at the engine's next step (the engine
-  leaves its caches consistent, so the next request sees what a fresh engine would give).
+  time, in arrival order, from a bounded queue (``max_queue`` waiting behind the running one or
+  being read; more get 503). A running generation is never pre-empted. A request whose client
+  goes away is withdrawn from the queue, or, if it runs, cancelled at the engine's next step (the
+  engine leaves its caches consistent, so the next request sees what a fresh engine would give);
+  with ``debug`` it checks that after every generation.
 * ``streaming``: a job's events as one JSON body or server-sent events, in the shapes of
   ``responses``; ``exchange``: one ASGI request/response.
-* ``errors``: :class:`HTTPError` and the mapping of library errors to statuses; ``metrics``:
-  the counters of GET /metrics.
+* ``errors``: :class:`HTTPError`, the mapping of library errors to statuses, and ``quote``, how
+  a message shows a client's value (clipped); ``metrics``: the counters of GET /metrics.
 * ``runner``: :class:`Server` runs the app on uvicorn (h11, asyncio) in a background thread, on a
   socket it binds itself (so port 0 is known before serving); :func:`run` is what the CLI calls:
   signals, loading, the ready line, a clean shutdown.
 
 ``/v1/models``, ``/health`` and ``/metrics`` never touch the engine or wait for it.
 
-Every error is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``.
+Every error is OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``, including
+the protocol layer's own answers (``connections``).
 """
 
 from .app import ServerApp

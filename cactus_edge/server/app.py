@@ -1,7 +1,9 @@
 """The ASGI application: :class:`ServerApp` routes each request after the checks in
 :mod:`.guards`; the simple routes (/health, /v1/models, /metrics) never touch the engine or wait
-for it; the generation routes parse (:mod:`.parsing`), tokenize, check the prompt fits the
-context, hand a :class:`~.scheduler.Job` to the scheduler and answer (:mod:`.streaming`)."""
+for it; the generation routes take a place in the queue before reading anything (a full queue
+costs a refused request nothing but its headers), then parse (:mod:`.parsing`), tokenize, check
+the prompt fits the context, hand a :class:`~.scheduler.Job` to the scheduler and answer
+(:mod:`.streaming`)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,28 @@ from pathlib import Path
 
 from ..config import GenerationConfig
 from . import guards
-from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, error_body
+from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, error_body, quote
 from .exchange import Exchange
 from .metrics import Metrics
-from .parsing import ClientGone, final_config, parse_body, read_json, tokenize
+from .parsing import (
+    ClientGone,
+    check_declared_length,
+    final_config,
+    parse_body,
+    read_json,
+    tokenize,
+)
 from .responses import ResponseShape
-from .scheduler import Job, Scheduler
+from .scheduler import CacheAudit, Job, Place, Scheduler
 from .settings import MODEL_ALIAS, RETRY_AFTER_SECONDS, ServerSettings
 from .streaming import respond
 
 logger = logging.getLogger("cactus_edge.server")
+
+# Prompts are tokenized one at a time: each takes a core for as long as its text is long (a
+# chat template render and llama.cpp's tokenizer), and the running generation needs the cores.
+# How many wait is bounded by the queue's places.
+TOKENIZE_SLOTS = 1
 
 
 class ServerApp:
@@ -38,6 +52,8 @@ class ServerApp:
         self._tickets = itertools.count()
         self._hosts = self.settings.accepted_hosts
         self._created = int(time.time())
+        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS)
+        self.audit = CacheAudit() if self.settings.debug else None
         self._routes: dict[str, tuple[str, Callable]] = {
             "/health": ("GET", self._health),
             "/v1/models": ("GET", self._models),
@@ -46,6 +62,8 @@ class ServerApp:
         }
         if self.settings.metrics:
             self._routes["/metrics"] = ("GET", self._metrics)
+        if self.settings.debug:
+            self._routes["/debug/caches"] = ("GET", self._debug_caches)
         for path in ("/models", "/chat/completions", "/completions"):  # base_url without /v1
             self._routes[path] = self._routes[f"/v1{path}"]
         if engine is not None:
@@ -56,7 +74,7 @@ class ServerApp:
     def attach(self, engine) -> None:
         """The engine is loaded: start serving generations."""
         self.engine = engine
-        self.scheduler = Scheduler(engine, self.settings.max_queue, self.metrics)
+        self.scheduler = Scheduler(engine, self.settings.max_queue, self.metrics, self.audit)
 
     @property
     def ready(self) -> bool:
@@ -108,27 +126,33 @@ class ServerApp:
                 return
 
     async def _handle(self, exchange: Exchange) -> None:
+        """The checks of :mod:`.guards` in their order, then the route. With an API key, every
+        path but /health needs it before 404 or 405 is said: no probing routes without it."""
         guards.check_host(self.settings, exchange, self._hosts)
         guards.check_origin(self.settings, exchange)
         method, path = exchange.scope["method"], exchange.scope["path"]
-        if method == "OPTIONS":
-            await guards.preflight(exchange)
+        route = self._route(path)
+        if route is not None and guards.is_preflight(exchange):
+            await guards.preflight(exchange, _methods(route[0]))
             return
+        if path != "/health":
+            guards.check_api_key(self.settings, exchange)
+        if route is None:
+            raise HTTPError(404, f"unknown route {method} {quote(path)}", code="unknown_url")
+        if method not in _methods(route[0]).split(", "):
+            raise HTTPError(
+                405,
+                f"{path} takes {_methods(route[0])}, not {quote(method)}",
+                code="method_not_allowed",
+                headers=[("allow", _methods(route[0]))],
+            )
+        await route[1](exchange)
+
+    def _route(self, path: str) -> tuple[str, Callable] | None:
         route = self._routes.get(path)
         if route is None and path.startswith(("/v1/models/", "/models/")):
             route = ("GET", self._model)
-        if route is None:
-            raise HTTPError(404, f"unknown route {method} {path}", code="unknown_url")
-        if method != route[0]:
-            raise HTTPError(
-                405,
-                f"{path} takes {route[0]}, not {method}",
-                code="method_not_allowed",
-                headers=[("allow", route[0])],
-            )
-        if path != "/health":
-            guards.check_api_key(self.settings, exchange)
-        await route[1](exchange)
+        return route
 
     # --- simple routes (never touch the engine)
 
@@ -172,11 +196,18 @@ class ServerApp:
         waiting, running = (scheduler.waiting, scheduler.running) if scheduler else (0, 0)
         await exchange.send_text(200, self.metrics.render(waiting, running), "text/plain; version=0.0.4")
 
+    async def _debug_caches(self, exchange: Exchange) -> None:
+        """Only with ``debug``: the cache audit, and whether the worker is idle (then every
+        generation so far has been checked)."""
+        scheduler = self.scheduler
+        waiting, running = (scheduler.waiting, scheduler.running) if scheduler else (0, 0)
+        await exchange.send_json(200, {**self.audit.report(), "waiting": waiting, "running": running})
+
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.settings.model_name, MODEL_ALIAS):
             raise HTTPError(
                 404,
-                f"the model {name!r} does not exist; this server serves {self.settings.model_name!r}",
+                f"the model {quote(name)} does not exist; this server serves {self.settings.model_name!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -192,22 +223,33 @@ class ServerApp:
     async def _generate(self, exchange: Exchange, chat: bool) -> None:
         arrived = time.perf_counter()
         ticket = next(self._tickets)  # arrival order, kept through tokenization
-        try:
-            body = await read_json(exchange, self.settings.max_body_bytes)
-        except ClientGone:
-            return
-        request = parse_body(body, self.settings.base_config)
-        self._check_model(request.model)
-        engine, scheduler = self.engine, self.scheduler
+        check_declared_length(exchange, self.settings.max_body_bytes)
+        scheduler = self.scheduler
         if scheduler is None:
             raise busy_error("the model is loading", "model_loading")
         prompt_param = "messages" if chat else "prompt"
-        prompt = await tokenize(engine, body, chat, self.settings.default_system)
-        config = self._fit(engine, request.config, body, prompt, prompt_param)
-        job = Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
-        self._submit(scheduler, job)
+        with self._reserve(scheduler) as place:
+            try:
+                request, job = await self._prepare(exchange, chat, prompt_param, ticket, arrived)
+            except ClientGone:
+                return
+            try:
+                place.submit(job)
+            except ShuttingDown:
+                raise busy_error("the server is shutting down", "shutting_down") from None
         shape = ResponseShape(chat, request.model or self.settings.model_name, request.include_usage)
         await respond(exchange, scheduler, job, shape, request.stream, prompt_param)
+
+    async def _prepare(self, exchange: Exchange, chat: bool, prompt_param: str, ticket: int, arrived: float):
+        """(the parsed request, its Job): the body read, parsed, tokenized and fitted to the
+        context; ClientGone if the client hangs up while sending it."""
+        body = await read_json(exchange, self.settings.max_body_bytes)
+        request = parse_body(body, self.settings.base_config)
+        self._check_model(request.model)
+        engine = self.engine
+        prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots)
+        config = self._fit(engine, request.config, body, prompt, prompt_param)
+        return request, Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
 
     def _fit(
         self, engine, config: GenerationConfig, body: Mapping, prompt: list[int], prompt_param: str
@@ -233,9 +275,11 @@ class ServerApp:
             )
         return config
 
-    def _submit(self, scheduler: Scheduler, job: Job) -> None:
+    def _reserve(self, scheduler: Scheduler) -> Place:
+        """A place in the queue before the body is read, or 503: a full queue refuses a request
+        before any of its work is done."""
         try:
-            scheduler.submit(job)
+            return scheduler.reserve()
         except QueueFull:
             raise busy_error(
                 f"the queue is full ({self.settings.max_queue} waiting); retry later",
@@ -243,3 +287,8 @@ class ServerApp:
             ) from None
         except ShuttingDown:
             raise busy_error("the server is shutting down", "shutting_down") from None
+
+
+def _methods(method: str) -> str:
+    """The methods a route answers: HEAD wherever GET (uvicorn leaves the body out)."""
+    return "GET, HEAD" if method == "GET" else method

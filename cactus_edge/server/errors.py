@@ -1,5 +1,6 @@
 """Errors as HTTP answers: OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``,
-the scheduler's refusals, and the mapping from the library's exceptions to statuses."""
+the scheduler's refusals, the mapping from the library's exceptions to statuses, and
+:func:`quote`, how every message shows a value the client sent."""
 
 from __future__ import annotations
 
@@ -18,9 +19,29 @@ from .settings import RETRY_AFTER_SECONDS
 
 logger = logging.getLogger("cactus_edge.server")
 
+QUOTE_LIMIT = 200  # characters of a client's value an error message shows
+# Every message is clipped too: the library's own messages (openai_compat) quote values in full,
+# and a 200,000-key logit_bias once made a 2.49 MB error body.
+MESSAGE_LIMIT = 400  # our own longest, the Host refusal with a quoted value, is ~320
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` if short enough, else its start and end around a note of how much was cut."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 2)
+    head, tail = text[: keep * 3 // 4], text[len(text) - keep // 4 :]
+    return f"{head}…[{len(text) - len(head) - len(tail):,} characters cut]…{tail}"
+
+
+def quote(value: object) -> str:
+    """A value the client sent, as every error message shows it: its repr, at most about
+    QUOTE_LIMIT characters."""
+    return clip(repr(value), QUOTE_LIMIT)
+
 
 class HTTPError(Exception):
-    """An answer in OpenAI's error envelope."""
+    """An answer in OpenAI's error envelope; the message is clipped at MESSAGE_LIMIT."""
 
     def __init__(
         self,
@@ -32,6 +53,8 @@ class HTTPError(Exception):
         code: str | None = None,
         headers: Sequence[tuple[str, str]] = (),
     ) -> None:
+        message = clip(message, MESSAGE_LIMIT)
+        param = clip(param, QUOTE_LIMIT) if param else param  # it may hold a client's key
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.headers = param, code, tuple(headers)

@@ -13,14 +13,28 @@ class Exchange:
     """One HTTP request/response: the scope, the ASGI callables, and what was sent."""
 
     def __init__(self, scope, receive, send, cors_headers: list[tuple[bytes, bytes]]) -> None:
-        self.scope, self.receive, self._send = scope, receive, send
+        self.scope, self._receive, self._send = scope, receive, send
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.cors_headers = cors_headers
         self.status: int | None = None
         self.started = False
+        self.body_read = not self._has_body()
+
+    def _has_body(self) -> bool:
+        return self.headers.get("content-length", "0") != "0" or "transfer-encoding" in self.headers
+
+    async def receive(self) -> dict:
+        message = await self._receive()
+        if message["type"] == "http.request" and not message.get("more_body", False):
+            self.body_read = True
+        return message
 
     async def start(self, status: int, headers: Sequence[tuple[str, str]]) -> None:
         self.status, self.started = status, True
+        if not self.body_read:
+            # Answered without reading the body (refused early): close, or uvicorn would go on
+            # reading it, up to the body timeout, only to throw it away.
+            headers = [*headers, ("connection", "close")]
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers] + self.cors_headers
         await self._send({"type": "http.response.start", "status": status, "headers": raw})
 

@@ -1,11 +1,15 @@
 """The checks every request passes before its route runs: Host (DNS rebinding), Origin (CORS),
-the API key, and CORS preflight answers."""
+the API key, and CORS preflight answers.
+
+Order (ServerApp._handle): Host, then Origin, then a preflight for a known route is answered
+(browsers send preflights without credentials), then the API key on every path but /health,
+known or not (so routes cannot be probed without it), then 404/405."""
 
 from __future__ import annotations
 
 import hmac
 
-from .errors import HTTPError
+from .errors import HTTPError, quote
 from .exchange import Exchange
 from .settings import ServerSettings, host_name
 
@@ -19,7 +23,7 @@ def check_host(settings: ServerSettings, exchange: Exchange, accepted: frozenset
     if name is None or name not in accepted:
         raise HTTPError(
             403,
-            f"Host {header!r} is not allowed (DNS rebinding protection); "
+            f"Host {quote(header)} is not allowed (DNS rebinding protection); "
             "start the server with --allowed-host NAME to accept it",
             code="host_not_allowed",
         )
@@ -40,7 +44,7 @@ def check_origin(settings: ServerSettings, exchange: Exchange) -> None:
     else:
         raise HTTPError(
             403,
-            f"Origin {origin!r} is not allowed; start the server with --cors-origin {origin} to allow it",
+            f"Origin {quote(origin)} is not allowed; start the server with --cors-origin ORIGIN to allow it",
             code="origin_not_allowed",
         )
 
@@ -60,14 +64,27 @@ def check_api_key(settings: ServerSettings, exchange: Exchange) -> None:
         )
 
 
-async def preflight(exchange: Exchange) -> None:
+def is_preflight(exchange: Exchange) -> bool:
+    """A CORS preflight from an allowed origin (``check_origin`` set the CORS headers; without
+    --cors-origin any Origin was refused before)."""
+    return (
+        exchange.scope["method"] == "OPTIONS"
+        and bool(exchange.cors_headers)
+        and "access-control-request-method" in exchange.headers
+    )
+
+
+async def preflight(exchange: Exchange, methods: str) -> None:
+    """204 with what the route accepts; ``methods`` like "POST" or "GET, HEAD"."""
     requested = exchange.headers.get("access-control-request-headers", "authorization, content-type")
-    headers = [("allow", "GET, POST, OPTIONS"), ("content-length", "0")]
-    if exchange.cors_headers:
-        headers += [
-            ("access-control-allow-methods", "GET, POST, OPTIONS"),
+    await exchange.start(
+        204,
+        [
+            ("allow", f"{methods}, OPTIONS"),
+            ("content-length", "0"),
+            ("access-control-allow-methods", f"{methods}, OPTIONS"),
             ("access-control-allow-headers", requested),
             ("access-control-max-age", "600"),
-        ]
-    await exchange.start(204, headers)
+        ],
+    )
     await exchange.body(b"")

@@ -1,11 +1,12 @@
-"""Reading a generation request: the JSON body (size-limited), OpenAI's fields (via
-:func:`~cactus_edge.openai_compat.parse_request`), chat messages or a completions prompt, the
-tokenized prompt, and the final ``max_tokens``."""
+"""Reading a generation request: the declared and the actual body size, the JSON body, text that
+cannot be UTF-8, OpenAI's fields (via :func:`~cactus_edge.openai_compat.parse_request`), chat
+messages or a completions prompt, the tokenized prompt, and the final ``max_tokens``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -13,8 +14,10 @@ from typing import Any
 from ..config import GenerationConfig
 from ..errors import BackendError, CactusEdgeError, EngineClosedError, InvalidSettingError
 from ..openai_compat import parse_request
-from .errors import HTTPError, from_library_error
+from .errors import HTTPError, from_library_error, quote
 from .exchange import Exchange
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # str holds them only unpaired
 
 
 class ClientGone(Exception):
@@ -25,14 +28,21 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(exchange: Exchange, limit: int) -> Any:
-    """The request body as JSON; 413 over ``limit`` bytes; ClientGone if the client hangs up."""
-    too_large = HTTPError(
-        413, f"the request body is larger than {limit} bytes", param=None, code="request_too_large"
-    )
+def _too_large(limit: int) -> HTTPError:
+    return HTTPError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def check_declared_length(exchange: Exchange, limit: int) -> None:
+    """413 from the Content-Length header alone, before any of the body is read (h11 has already
+    refused a malformed or negative one)."""
     length = exchange.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large
+        raise _too_large(limit)
+
+
+async def read_json(exchange: Exchange, limit: int) -> Any:
+    """The request body as JSON; 413 past ``limit`` bytes (a chunked body has no Content-Length to
+    check first); ClientGone if the client hangs up."""
     chunks, size = [], 0
     while True:
         message = await exchange.receive()
@@ -41,14 +51,40 @@ async def read_json(exchange: Exchange, limit: int) -> Any:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large
+            raise _too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
     try:
+        # Bytes are decoded with "surrogatepass": the raw bytes ED A0 80 become a lone surrogate,
+        # exactly like the escape "\ud800"; check_text refuses both.
         return json.loads(b"".join(chunks), parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as error:
         raise HTTPError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+
+
+def check_text(body: Any) -> None:
+    """400 naming the first string that holds a lone UTF-16 surrogate: it has no UTF-8 encoding,
+    so the tokenizer could not take it (it was a 500). Every string is checked, not only the ones
+    known to reach the tokenizer today; iterative, as JSON nests deeper than Python recurses."""
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            found = _LONE_SURROGATE.search(value)
+            if found:
+                raise HTTPError(
+                    400,
+                    f"{path} is not valid Unicode text: it holds a lone surrogate "
+                    f"U+{ord(found.group()):04X}, which has no UTF-8 encoding",
+                    param=path,
+                    code="invalid_value",
+                )
+        elif isinstance(value, Mapping):
+            items = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
+            pending.extend(reversed(items))  # popped in document order
+        elif isinstance(value, list):
+            pending.extend(reversed([(f"{path}[{index}]", item) for index, item in enumerate(value)]))
 
 
 def parse_body(body: Any, base: GenerationConfig):
@@ -58,21 +94,29 @@ def parse_body(body: Any, base: GenerationConfig):
             400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json"
         )
     try:
-        return parse_request(body, base=base)
+        request = parse_request(body, base=base)
     except InvalidSettingError as error:
         raise from_library_error(error, "messages") from None
+    check_text(body)  # after the fields' own checks, which refuse a huge logit_bias faster
+    return request
 
 
-async def tokenize(engine, body: Mapping, chat: bool, default_system: str | None) -> list[int]:
+async def tokenize(
+    engine, body: Mapping, chat: bool, default_system: str | None, slots: asyncio.Semaphore
+) -> list[int]:
+    """The prompt's token ids, computed in a worker thread while holding one of ``slots``: a long
+    prompt takes seconds of CPU, which the running generation needs too."""
     loop = asyncio.get_running_loop()
     try:
         if chat:
             messages = chat_messages(body, default_system)
-            return await loop.run_in_executor(None, engine.tokenize_chat, messages)
+            async with slots:
+                return await loop.run_in_executor(None, engine.tokenize_chat, messages)
         prompt = _prompt(body, engine.target.vocab_size)
         if isinstance(prompt, list):
             return prompt
-        return await loop.run_in_executor(None, lambda: engine.tokenize_prompt(prompt, chat=True))
+        async with slots:
+            return await loop.run_in_executor(None, lambda: engine.tokenize_prompt(prompt, chat=True))
     except (InvalidSettingError, EngineClosedError, BackendError) as error:
         raise from_library_error(error, "prompt") from None
     except CactusEdgeError as error:  # a chat template refusing the messages
@@ -92,7 +136,7 @@ def chat_messages(body: Mapping, default_system: str | None) -> list[dict]:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise HTTPError(
                 400,
-                f"messages[{index}] must be an object with a string 'role'",
+                f"messages[{index}] must be an object with a string 'role', got {quote(message)}",
                 param="messages",
                 code="invalid_value",
             )

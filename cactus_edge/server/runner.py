@@ -1,6 +1,7 @@
 """Serving the app: :class:`Server` runs it on uvicorn (h11, asyncio) in a background thread, on a
-socket it binds itself (so port 0 is known before serving); :func:`run` is what the CLI calls:
-signals, loading, the ready line, a clean shutdown."""
+socket it binds itself (so port 0 is known before serving), with the deadlines and the cap of
+:mod:`.connections`; :func:`run` is what the CLI calls: signals, loading, the ready line, a clean
+shutdown."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from typing import Any
 
 from ..errors import CactusEdgeError, InvalidSettingError
 from .app import ServerApp
+from .connections import (
+    LISTEN_BACKLOG,
+    ConnectionGuard,
+    limit_repeated_logs,
+    protocol_class,
+    raise_descriptor_limit,
+)
 from .settings import ServerSettings
 
 logger = logging.getLogger("cactus_edge.server")
@@ -47,7 +55,7 @@ def _bind(settings: ServerSettings) -> socket.socket:
             raise CactusEdgeError(
                 f"cannot listen on {settings.host}:{settings.port}: {error.strerror}"
             ) from None
-    sock.listen(128)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -56,7 +64,7 @@ class Server:
     """The app served by uvicorn in a background thread. ``start()`` binds (port 0: a free one,
     known at once as ``port``/``url``) and returns once it accepts connections; ``stop()`` stops
     accepting, cancels the running generation and waits for open responses to end. Never closes
-    the engine: whoever made it does."""
+    the engine: whoever made it does. ``guard`` holds the open connections and what closed them."""
 
     def __init__(self, app: ServerApp) -> None:
         import uvicorn
@@ -69,9 +77,13 @@ class Server:
             self.port = self._socket.getsockname()[1]
             host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
             self.url = f"http://{host}:{self.port}"
+        self.guard = ConnectionGuard(self.settings)
+        limit_repeated_logs()
         config = uvicorn.Config(
             app,
-            http="h11",
+            http=protocol_class(self.guard),  # uvicorn's h11, with our deadlines and cap
+            backlog=LISTEN_BACKLOG,  # asyncio listens again with it, and accepts this many a tick
+            timeout_keep_alive=self.settings.idle_timeout,  # ours closes idle ones; same value
             ws="none",
             loop="asyncio",
             lifespan="off",
@@ -149,6 +161,7 @@ def run(
     if install_signals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
+    raise_descriptor_limit(settings.max_connections)  # before the Server sizes its cap from it
     app = ServerApp(None, settings)
     server = Server(app)
     engine = None

@@ -12,6 +12,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765  # not llama-server's 8080, llama-cpp-python's 8000, LM Studio's 1234, Ollama's 11434
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 512  # far above what desktop clients open (a browser: 6 per host)
+DEFAULT_IDLE_TIMEOUT = 5.0  # uvicorn's keep-alive default, and httpx's pool expiry
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0  # a 4 MiB body at 140 KB/s: generous for loopback or a LAN
 API_KEY_ENV = "CACTUS_EDGE_API_KEY"
 MODEL_ALIAS = "cactus-edge"  # always accepted as `model`, whatever the served id
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
@@ -34,6 +38,15 @@ class ServerSettings:
     base_config: generation defaults that requests override (the CLI's flags).
     default_system: a system message added to chat requests that have none.
     shutdown_grace: seconds open connections get to finish when the server stops.
+    idle_timeout: seconds a connection may stay open without a request in progress (new, or
+      kept alive between requests) before it is closed.
+    header_timeout: seconds from a request's first byte to the end of its headers.
+    body_timeout: seconds from the end of a request's headers to the end of its body.
+    max_connections: open connections at most (lowered to stay below the process's descriptor
+      limit, see :func:`~.connections.connection_cap`); beyond it the oldest connection with no
+      request in progress is closed, or, if every one is busy, the new one is refused with 503.
+    debug: check the engine's caches after every generation and serve GET /debug/caches (soak
+      tests; costs a little per request).
     """
 
     host: str = DEFAULT_HOST
@@ -50,6 +63,11 @@ class ServerSettings:
     base_config: GenerationConfig = field(default_factory=GenerationConfig)
     default_system: str | None = None
     shutdown_grace: float = 3.0
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    debug: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -61,6 +79,14 @@ class ServerSettings:
         if self.max_body_bytes < 1024:
             raise InvalidSettingError(
                 f"max_body_bytes must be >= 1024, got {self.max_body_bytes}", param="max_body_bytes"
+            )
+        for name in ("idle_timeout", "header_timeout", "body_timeout"):
+            seconds = getattr(self, name)
+            if not seconds > 0:  # NaN too
+                raise InvalidSettingError(f"{name} must be > 0 seconds, got {seconds}", param=name)
+        if self.max_connections < 1:
+            raise InvalidSettingError(
+                f"max_connections must be >= 1, got {self.max_connections}", param="max_connections"
             )
         if not 0 <= self.port <= 65535:
             raise InvalidSettingError(f"port must be in [0, 65535], got {self.port}", param="port")
