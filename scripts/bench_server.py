@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
-"""Side-by-side server benchmark: `cactus-edge serve` against llama-cpp-python's own server
-(`python -m llama_cpp.server`, same target GGUF, same prompts and sampling settings), in one run.
+"""Side-by-side server benchmark: `cactus-edge serve` with its defaults against llama-cpp-python's
+own server (`python -m llama_cpp.server`, same target GGUF, plain decoding), in one run, on three
+categories of requests: mixed prompts (code, explanations, chat, math: the bundled set, --per-category
+of each), code editing (the bundled code-editing prompts: pasted code to change) and the bundled
+multi-turn coding conversations (each turn sent with the conversation so far, the server's own
+earlier replies included, so both servers can reuse their cached prefix).
 
-C concurrent clients x R requests each, through the `openai` client, streaming. Reports time to
-first token (p50/p95), per-request decode tokens/s and aggregate tokens/s, and ours / theirs as a
-ratio. Rounds alternate between the servers (ours, theirs, ours, ...) so drift hits both alike; a
-server idles while the other runs (two llama.cpp processes computing at once on 2 cores slow each
-other far more than 2x: see SPEC, "Hardware facts"). With --direct it also times the same requests
-on an in-process Engine (one client), which bounds our server's own overhead.
+C concurrent clients x R requests each, through the `openai` client, streaming. Reports per category
+and server: time to first token (p50/p95), per-request decode tokens/s (after the first token),
+aggregate tokens/s (all tokens / wall time), and ours / theirs: the aggregate ratio and the median
+per-request ratio of end-to-end tokens/s (the same request, turn and seed on both). Categories run
+one after the other, each server in turn (ours, theirs) so drift hits both alike; a server idles
+while the other runs (two llama.cpp processes computing at once on 2 cores slow each other far more
+than 2x: see SPEC, "Hardware facts"). With --direct it also times the requests on an in-process
+Engine (one client), which bounds our server's own overhead.
 
 Needs llama-cpp-python's server extra (pip install 'llama-cpp-python[server]'). Timing run: run it
 on an otherwise idle machine and name the CPU with the numbers, e.g.
 
-    .venv/bin/python scripts/bench_server.py --pair default --clients 1,4 --requests 4 --max-tokens 128
+    .venv/bin/python scripts/bench_server.py --pair default --clients 1 --max-tokens 192
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import socket
 import statistics
@@ -31,14 +36,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number iteratively.",
-    "Explain in three sentences what a hash map is.",
-    "Write a bash one-liner that counts the lines of every .py file in a directory tree.",
-    "Summarize the rules of tic-tac-toe.",
-    "Write a SQL query that returns the ten customers with the highest total order value.",
-    "What is the difference between a process and a thread?",
-]
+from cactus_edge.registry import resolve_model_path
+from cactus_edge.script_args import add_model_args, model_paths
+
+CATEGORIES = ("mixed", "code-editing", "conversations")
+
+
+def workload(category: str, per_category: int) -> list[list[str]]:
+    """The requests of a category, each a list of user turns (one for a single prompt)."""
+    from cactus_edge.bench import load_conversations, load_prompts
+    from cactus_edge.bench import per_category as first_of_each
+
+    if category == "conversations":
+        return [c["turns"] for c in load_conversations()]
+    if category == "code-editing":
+        return [[p["prompt"]] for p in load_prompts(None, ["code-editing"])]
+    mixed = [p for p in load_prompts() if p["category"] != "code-editing"]
+    return [[p["prompt"]] for p in first_of_each(mixed, per_category)]
 
 
 def free_port() -> int:
@@ -80,7 +94,10 @@ def _log_tail(process: subprocess.Popen, n_chars: int = 2000) -> str:
 
 def start_ours(args) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "cactus_edge.cli", "serve", "--port", "0", "--json"]
-    command += ["--n-ctx", str(args.n_ctx), "--method", args.method, "--n-draft", args.n_draft]
+    command += ["--n-ctx", str(args.n_ctx)]
+    for flag in ("method", "n_draft", "drafter"):  # none given: the server's defaults
+        if getattr(args, flag):
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     command += ["--draft", args.draft, "--target", args.target] if args.target else ["--pair", args.pair]
     if args.threads:
         command += ["--threads", str(args.threads)]
@@ -96,6 +113,7 @@ def start_ours(args) -> tuple[subprocess.Popen, str]:
 
 
 def start_theirs(args, target_path: str) -> tuple[subprocess.Popen, str]:
+    """llama-cpp-python's server, plain decoding (it reuses the longest cached prompt prefix too)."""
     port = free_port()
     command = [sys.executable, "-m", "llama_cpp.server", "--model", target_path, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--n_ctx", str(args.n_ctx)]
@@ -107,17 +125,17 @@ def start_theirs(args, target_path: str) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
-def one_request(url: str, model: str, prompt: str, args, seed: int) -> dict:
+def one_request(url: str, model: str, messages: list[dict], args, seed: int) -> dict:
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
     begin = time.perf_counter()
     first = None
-    pieces = 0
+    pieces, text = 0, []
     usage = None
     stream = client.chat.completions.create(
         model=model,
-        messages=[{"role": "user", "content": prompt}],
+        messages=messages,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -129,6 +147,7 @@ def one_request(url: str, model: str, prompt: str, args, seed: int) -> dict:
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             pieces += 1
+            text.append(chunk.choices[0].delta.content)
             if first is None:
                 first = time.perf_counter()
         if chunk.usage is not None:
@@ -137,19 +156,31 @@ def one_request(url: str, model: str, prompt: str, args, seed: int) -> dict:
     # llama_cpp.server sends no usage in streams: count content chunks (one per token) instead.
     tokens = usage.completion_tokens if usage else pieces
     first = first or end
-    return {"ttft": first - begin, "tokens": tokens, "decode_s": end - first, "total_s": end - begin}
+    return {
+        "ttft": first - begin, "tokens": tokens, "decode_s": end - first, "total_s": end - begin,
+        "text": "".join(text),
+    }  # fmt: skip
 
 
-def run_phase(url: str, model: str, args, clients: int, round_index: int) -> dict:
-    jobs = [
-        (PROMPTS[(c * args.requests + r) % len(PROMPTS)], 1000 * round_index + c * args.requests + r)
-        for c in range(clients)
-        for r in range(args.requests)
-    ]
+def run_conversation(url: str, model: str, turns: list[str], args, seed: int) -> list[dict]:
+    """One request per user turn, each with the conversation so far (this server's replies)."""
+    messages, results = [], []
+    for turn, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        result = one_request(url, model, messages, args, seed + turn)
+        messages.append({"role": "assistant", "content": result["text"]})
+        results.append({**result, "request": f"{seed}.{turn}"})
+    return results
+
+
+def run_phase(url: str, model: str, args, clients: int, requests: list[list[str]], round_index: int) -> dict:
+    """Every request of a category, spread over ``clients`` concurrent clients."""
+    jobs = [(turns, 1000 * round_index + 10 * index) for index, turns in enumerate(requests)]
 
     def client_run(c: int) -> list[dict]:
-        mine = jobs[c * args.requests : (c + 1) * args.requests]
-        return [one_request(url, model, prompt, args, seed) for prompt, seed in mine]
+        return [
+            r for turns, seed in jobs[c::clients] for r in run_conversation(url, model, turns, args, seed)
+        ]
 
     begin = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -158,45 +189,37 @@ def run_phase(url: str, model: str, args, clients: int, round_index: int) -> dic
     return {"results": results, "wall_s": wall}
 
 
-def run_direct(args, round_index: int) -> dict:
-    from cactus_edge.engine import Engine, GenerationConfig
+def run_direct(args, requests: list[list[str]], round_index: int) -> dict:
+    """The same requests on an in-process Engine with the same defaults (one client)."""
+    from cactus_edge.bench import timed_generation
+    from cactus_edge.config import GenerationConfig
+    from cactus_edge.script_args import engine_from_args
 
-    n_draft = args.n_draft if args.n_draft == "auto" else int(args.n_draft)
-    if args.target:
-        engine = Engine.load(args.draft, args.target, n_ctx=args.n_ctx, n_threads=args.threads)
-    else:
-        engine = Engine.from_pair(args.pair, n_ctx=args.n_ctx, n_threads=args.threads)
     results = []
-    with engine:
-        for r in range(args.requests):
-            config = GenerationConfig(
-                method=args.method,
-                n_draft=n_draft,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                max_tokens=args.max_tokens,
-                seed=1000 * round_index + r,
-            )
-            begin = time.perf_counter()
-            first = None
-            for event in engine.stream_chat([{"role": "user", "content": PROMPTS[r % len(PROMPTS)]}], config):
-                if event.text and first is None:
-                    first = time.perf_counter()
-                if event.finish_reason is not None:
-                    tokens = event.stats.n_tokens
-            end = time.perf_counter()
-            first = first or end
-            results.append(
-                {"ttft": first - begin, "tokens": tokens, "decode_s": end - first, "total_s": end - begin}
-            )
+    with engine_from_args(args) as engine:
+        engine.warm_up()
+        for index, turns in enumerate(requests):
+            messages = []
+            for turn, text in enumerate(turns):
+                messages.append({"role": "user", "content": text})
+                settings = {k: getattr(args, k) for k in ("method", "n_draft", "drafter") if getattr(args, k)}
+                config = GenerationConfig(
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_tokens=args.max_tokens, seed=1000 * round_index + 10 * index + turn, **settings,
+                )  # fmt: skip
+                run = timed_generation(engine, engine.tokenize_chat(messages), config)
+                messages.append({"role": "assistant", "content": run.text})
+                results.append({
+                    "ttft": run.ttft_ms / 1000, "tokens": run.stats.n_tokens, "total_s": run.total_ms / 1000,
+                    "decode_s": (run.total_ms - run.ttft_ms) / 1000, "request": f"{index}.{turn}",
+                })  # fmt: skip
     return {"results": results, "wall_s": sum(r["total_s"] for r in results)}
 
 
 def summarize(phases: list[dict]) -> dict:
     results = [r for phase in phases for r in phase["results"]]
     ttfts = sorted(r["ttft"] for r in results)
-    rates = [r["tokens"] / r["decode_s"] for r in results if r["decode_s"] > 0]
+    rates = [(r["tokens"] - 1) / r["decode_s"] for r in results if r["decode_s"] > 0 and r["tokens"] > 1]
     tokens = sum(r["tokens"] for r in results)
     wall = sum(phase["wall_s"] for phase in phases)
     p95 = ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))]
@@ -204,26 +227,35 @@ def summarize(phases: list[dict]) -> dict:
         "requests": len(results),
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "ttft_p95_ms": 1000 * p95,
-        "decode_tok_s": statistics.mean(rates) if rates else 0.0,
+        "decode_tok_s": statistics.median(rates) if rates else 0.0,
         "aggregate_tok_s": tokens / wall if wall else 0.0,
     }
+
+
+def per_request_ratio(ours: list[dict], theirs: list[dict]) -> float:
+    """Median over requests seen by both of ours / theirs end-to-end tokens/s."""
+
+    def rate(r):
+        return r["tokens"] / r["total_s"] if r["total_s"] > 0 else 0.0
+
+    theirs_by = {r["request"]: r for r in theirs}
+    ratios = [rate(r) / rate(theirs_by[r["request"]]) for r in ours if rate(theirs_by.get(r["request"], r))]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
-    parser.add_argument("--draft")
-    parser.add_argument("--target")
-    parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--method", default="cactus")
-    parser.add_argument("--n-draft", default="auto")
-    parser.add_argument("--clients", default="1,4", help="comma-separated concurrency levels C")
-    parser.add_argument("--requests", type=int, default=4, help="requests per client R")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_model_args(parser)
+    parser.add_argument("--method", default=None, help="Ours: default, the server's default.")
+    parser.add_argument("--n-draft", default=None, help="Ours: default, the server's default.")
+    parser.add_argument("--drafter", default=None, help="Ours: default, the server's default.")
+    parser.add_argument("--categories", default=",".join(CATEGORIES), help=f"Comma-separated: {CATEGORIES}.")
+    parser.add_argument("--per-category", type=int, default=2, help="Mixed prompts: this many of each kind.")
+    parser.add_argument("--clients", default="1", help="comma-separated concurrency levels C")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--top-k", type=int, default=20)
@@ -231,76 +263,99 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out/server.json")
     args = parser.parse_args()
 
-    if args.target:
-        target_path = args.target
-    else:
-        from cactus_edge.registry import load_registry, resolve_model_path
-
-        target_path = str(resolve_model_path(load_registry().pair(args.pair).target))
+    target_path = str(resolve_model_path(model_paths(args)[1]))
+    categories = [c for c in args.categories.split(",") if c]
+    requests = {c: workload(c, args.per_category) for c in categories}
     levels = [int(c) for c in args.clients.split(",") if c]
-    ours, ours_url = start_ours(args)
-    theirs = None
+    runs = {name: {(c, n): [] for c in categories for n in levels} for name in SERVERS}
+    ours, theirs = start_ours(args), None
     try:
-        theirs, theirs_url = start_theirs(args, target_path)
-        ours_model = Path(target_path).name.removesuffix(".gguf")
-        runs: dict[str, dict[int, list]] = {"cactus-edge": {c: [] for c in levels}, "llama_cpp.server": {}}
-        runs["llama_cpp.server"] = {c: [] for c in levels}
+        theirs = start_theirs(args, target_path)
+        models = {
+            "cactus-edge": Path(target_path).name.removesuffix(".gguf"),
+            "llama_cpp.server": target_path,
+        }
+        urls = {"cactus-edge": ours[1], "llama_cpp.server": theirs[1]}
         for round_index in range(args.rounds):
-            for clients in levels:
-                print(f"round {round_index + 1}/{args.rounds}, C={clients}: cactus-edge", file=sys.stderr)
-                runs["cactus-edge"][clients].append(
-                    run_phase(ours_url, ours_model, args, clients, round_index)
-                )
-                print(
-                    f"round {round_index + 1}/{args.rounds}, C={clients}: llama_cpp.server", file=sys.stderr
-                )
-                runs["llama_cpp.server"][clients].append(
-                    run_phase(theirs_url, target_path, args, clients, round_index)
-                )
+            for category in categories:
+                for clients in levels:
+                    for name in SERVERS:
+                        print(f"round {round_index + 1}, {category}, C={clients}: {name}", file=sys.stderr)
+                        phase = run_phase(
+                            urls[name], models[name], args, clients, requests[category], round_index
+                        )
+                        runs[name][(category, clients)].append(phase)
     finally:
-        for process in (ours, theirs):
+        for process in (ours[0], theirs[0] if theirs else None):
             if process is not None and process.poll() is None:
                 process.terminate()
                 try:
                     process.wait(30)
                 except subprocess.TimeoutExpired:
                     process.kill()
-    direct = None
+    direct = {}
     if args.direct:  # after both servers are gone: nothing else computes meanwhile
-        direct = summarize([run_direct(args, r) for r in range(args.rounds)])
+        for category in categories:
+            direct[category] = summarize(
+                [run_direct(args, requests[category], r) for r in range(args.rounds)]
+            )
+    print(report(args, categories, levels, runs, direct, args.out))
+
+
+SERVERS = ("cactus-edge", "llama_cpp.server")
+
+
+def report(args, categories, levels, runs, direct, out_path) -> str:
+    """The Markdown table (and bench-out JSON) of a run."""
+    from cactus_edge.bench import cpu_model_name
 
     rows, summary = [], {}
-    for clients in levels:
-        mine = summarize(runs["cactus-edge"][clients])
-        other = summarize(runs["llama_cpp.server"][clients])
-        summary[clients] = {"cactus-edge": mine, "llama_cpp.server": other}
-        ratio = (
-            mine["aggregate_tok_s"] / other["aggregate_tok_s"] if other["aggregate_tok_s"] else float("nan")
-        )
-        for name, s in (("cactus-edge", mine), ("llama_cpp.server", other)):
-            rows.append(
-                f"| {clients} | {name} | {s['ttft_p50_ms']:.0f} | {s['ttft_p95_ms']:.0f} | "
-                f"{s['decode_tok_s']:.1f} | {s['aggregate_tok_s']:.1f} | "
-                f"{f'{ratio:.2f}x' if name == 'cactus-edge' else ''} |"
+    for category in categories:
+        for clients in levels:
+            phases = {name: runs[name][(category, clients)] for name in SERVERS}
+            mine, other = (summarize(phases[name]) for name in SERVERS)
+            ratio = (
+                mine["aggregate_tok_s"] / other["aggregate_tok_s"]
+                if other["aggregate_tok_s"]
+                else float("nan")
             )
+            per_request = per_request_ratio(
+                *([r for p in phases[name] for r in p["results"]] for name in SERVERS)
+            )
+            summary[f"{category} C={clients}"] = {
+                "cactus-edge": mine, "llama_cpp.server": other, "aggregate_ratio": ratio,
+                "per_request_ratio_median": per_request,
+            }  # fmt: skip
+            for name, s in (("cactus-edge", mine), ("llama_cpp.server", other)):
+                ours_cells = f"{ratio:.2f}x | {per_request:.2f}x" if name == "cactus-edge" else " | "
+                rows.append(
+                    f"| {category} | {clients} | {name} | {s['requests']} | {s['ttft_p50_ms']:.0f} | "
+                    f"{s['ttft_p95_ms']:.0f} | {s['decode_tok_s']:.1f} | {s['aggregate_tok_s']:.1f} | "
+                    f"{ours_cells} |"
+                )
+    ours_label = ", ".join(
+        f"{k} {getattr(args, k)}" for k in ("method", "n_draft", "drafter") if getattr(args, k)
+    )
     header = (
-        f"{platform.processor() or platform.machine()} · {os.cpu_count()} cores · {args.method} · "
-        f"{args.max_tokens} tokens · temperature {args.temperature}, top-p {args.top_p}, "
-        f"top-k {args.top_k} · "
-        f"R = {args.requests} · {args.rounds} rounds\n\n"
-        "| C | server | TTFT p50 ms | TTFT p95 ms | decode tok/s | aggregate tok/s | ours/theirs |\n"
-        "|---|---|---|---|---|---|---|\n"
+        f"{cpu_model_name()} · {os.cpu_count()} cores · ours: {ours_label or 'its defaults'}, "
+        f"theirs: plain · {args.max_tokens} tokens · temperature {args.temperature}, "
+        f"top-p {args.top_p}, top-k {args.top_k} · "
+        f"{args.rounds} round(s)\n\n"
+        "| category | C | server | requests | TTFT p50 ms | TTFT p95 ms | decode tok/s | aggregate tok/s | "
+        "aggregate ours/theirs | per-request ours/theirs (median) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     table = header + "\n".join(rows) + "\n"
-    if direct is not None:
-        table += f"\nIn-process Engine (C = 1): {direct['decode_tok_s']:.1f} decode tok/s, TTFT p50 "
+    for category, d in direct.items():
         table += (
-            f"{direct['ttft_p50_ms']:.0f} ms; compare with cactus-edge at C = 1 for the server's overhead.\n"
+            f"\nIn-process Engine, {category} (C = 1): TTFT p50 {d['ttft_p50_ms']:.0f} ms, "
+            f"{d['decode_tok_s']:.1f} decode tok/s, {d['aggregate_tok_s']:.1f} aggregate tok/s.\n"
         )
-    out = Path(args.out)
+    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "summary": summary, "direct": direct}, indent=2))
-    print(table)
+    (out.with_suffix(".md")).write_text(table)
+    return table
 
 
 if __name__ == "__main__":
