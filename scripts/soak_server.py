@@ -39,7 +39,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_server import PROMPTS, _log_tail, _popen
+from bench_server import _log_tail, _popen
+
+from cactus_edge.bench import load_prompts
+
+# Short prompts only: a soak is about many requests, not long prefills.
+PROMPTS = [p["prompt"] for p in load_prompts() if p["category"] != "code-editing"]
 
 MODEL = "soak"
 DOCUMENTED_503 = {"queue_full", "shutting_down", "model_loading", "too_many_connections"}
