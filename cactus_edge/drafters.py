@@ -41,8 +41,8 @@ class Proposal:
 
     tokens: the draft tokens d_0..d_{k-1}; rows: their draft_probs rows over the target's
     vocabulary (k rows); draft_ms: time inside llama_decode; source: "model", "model/guided"
-    (the draft model fed a lookup guess), "lookup" or "none"; guess: the lookup guess the draft
-    model was offered ([] otherwise).
+    (the draft model fed a lookup guess), "lookup/<match class>" or "none"; guess: what lookup
+    found this step ([] if nothing), lookup_source: its match class ("lookup/8+", …; "" if none).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -50,6 +50,7 @@ class Proposal:
     draft_ms: float = 0.0
     source: str = "none"
     guess: list[int] = field(default_factory=list)
+    lookup_source: str = ""
 
     @property
     def label(self) -> str:
@@ -125,8 +126,15 @@ class DraftPlanner:
         """After a verification: update acceptance estimates and judge a probe."""
         if proposal.tokens:
             self.tracker(proposal.source).record(tuple(acceptance_probs))
-        elif proposal.source == "model/guided":
-            self.tracker(proposal.source).record_lookup_outcome(emitted_first == proposal.guess[0])
+        elif proposal.guess:
+            # A plain step with a lookup guess: whether the target's token followed it is free
+            # evidence on the guess's first position, the only evidence while k stays 0 (for
+            # lookup drafts, and for a draft model fed the guess, which mostly follows it too).
+            followed = emitted_first == proposal.guess[0]
+            if proposal.lookup_source:
+                self.tracker(proposal.lookup_source).record_lookup_outcome(followed)
+            if proposal.source == "model/guided":
+                self.tracker(proposal.source).record_lookup_outcome(followed)
         if self.probe is not None:
             probe, self.probe = self.probe, None
             next_k = choose_draft_length(
@@ -281,6 +289,7 @@ class DraftSourceChooser:
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
+        lookup_source = lookup_source if found else ""
         self.profile.lap("lookup")
         if self.name != "model" and found:
             n_draft = self.planner.plan(len(found), lookup_source)
@@ -288,10 +297,12 @@ class DraftSourceChooser:
             if n_draft:
                 return self.lookup.propose(found[:n_draft], lookup_source)
         if self.name == "lookup":
-            return Proposal()
+            return Proposal(guess=found, lookup_source=lookup_source)
         guess = found[: room - 1]
         source = "model/guided" if guess else "model"
         n_catch_up = self.model.catch_up_length(committed)
         n_draft = self.planner.plan(room, source, len(guess), n_catch_up, horizon)
         self.profile.lap("planning")
-        return self.model.propose(committed, n_draft, guess, source)
+        proposal = self.model.propose(committed, n_draft, guess, source)
+        proposal.lookup_source = lookup_source
+        return proposal

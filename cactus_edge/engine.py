@@ -1,10 +1,12 @@
-"""The speculative decoding engine: prefill, propose, verify, commit — streamed token by token.
+"""The speculative decoding engine: propose, verify, commit — streamed token by token.
 
 State between steps is one list, ``committed`` (prompt + every accepted token). Each model's KV cache
 always holds a prefix of it; a step first feeds each model whatever committed tokens it has not
-seen (usually just the last emitted token; after a fully accepted block the draft also catches up
-on its last draft token, and after plain steps on every token it skipped), so rollback is a single
-truncate.
+seen, so rollback is a single truncate. The first step is plain: its one target decode is the
+prompt's prefill and yields the first token, as plain decoding's does. The draft is fed lazily:
+only a step that drafts with it feeds it what it lacks (the prompt the first time, a new turn's
+text, the tokens it skipped during plain steps), so no draft work ever delays the first token and
+a request that never drafts with the model never prefills it.
 
 **One exit path.** However a generation ends — end of text, stop string, length, cancel, the
 consumer closing or abandoning the stream, an exception inside a step, KeyboardInterrupt — its

@@ -309,3 +309,19 @@ def test_a_lazy_prompt_catch_up_is_spread_over_the_horizon_it_buys():
     assert planner.plan(8, "model", n_catch_up=200) == 0
     assert planner.plan(8, "model", n_catch_up=200, horizon=64) > 0
     assert planner.plan(8, "model", n_catch_up=5000, horizon=64) == 0  # a long prompt does not pay
+
+
+def test_a_plain_step_teaches_the_lookup_class_whether_the_target_followed_its_guess():
+    """While `auto` keeps k = 0 a lookup class would never learn; the target's own token on a plain
+    step says whether the guess's first token was right, at no cost."""
+    from cactus_edge.drafters import Proposal
+
+    planner = DraftPlanner(GenerationConfig(n_draft="auto"), CostModel(), {})
+    prior = planner.tracker("lookup/16+").rates[0]
+    for _ in range(10):
+        planner.learn(Proposal(guess=[5, 6], lookup_source="lookup/16+"), (), emitted_first=5)
+    assert planner.tracker("lookup/16+").rates[0] > 0.95 > prior
+    for _ in range(10):
+        planner.learn(Proposal(guess=[5, 6], lookup_source="lookup/2"), (), emitted_first=7)
+    assert planner.tracker("lookup/2").rates[0] < 0.1
+    assert planner.tracker("lookup/16+").rates[1] == prior  # later positions learn from drafts only
