@@ -26,14 +26,15 @@ def test_generate_streams_text_and_summarises_on_stderr(runner, tiny_pair):
     assert result.stderr.startswith("[models] draft tiny-draft.gguf -> target tiny-target.gguf\n")
     assert result.stderr.splitlines()[1].startswith("[sps] 12 tokens, ")
     assert "tokens/verifier call" in result.stderr and "finish: length" in result.stderr
-    plain = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "none"])
-    assert plain.stdout == result.stdout  # greedy: speculation changes speed, not text
+    # That greedy speculation emits plain greedy's text is tested in test_engine, with a guard for
+    # near-ties that llama.cpp's batch-shape rounding can flip; `auto` here picks shapes by timing.
 
 
 def test_generate_json_schema(runner, tiny_pair):
     # A fixed draft length: under `auto` the lengths follow measured timings, so the text (and
     # whether an end-of-text token comes within 9 tokens) would change from run to run.
     args = ["generate", "hello", *pair_args(tiny_pair), "--json", "--max-tokens", "9", "--n-draft", "3"]
+    args += ["--seed", "0"]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -51,12 +52,15 @@ def test_generate_json_schema(runner, tiny_pair):
         "kl_mean",
     ):
         assert key in data
-    assert data["method"] == "cactus" and data["n_tokens"] == 9 and data["finish_reason"] == "length"
+    # An end-of-text token within 9 is possible on some CPU (rounding moves samples): then "stop".
+    assert data["method"] == "cactus" and data["finish_reason"] in ("length", "stop")
+    assert (data["n_tokens"] == 9) == (data["finish_reason"] == "length") and data["n_tokens"] <= 9
     assert result.stderr == ""
 
 
 def test_prompt_from_stdin(runner, tiny_pair):
     args = ["generate", "-", *pair_args(tiny_pair), "--raw", "--temperature", "0", "--max-tokens", "5"]
+    args += ["--n-draft", "3"]  # the same batch shapes in both runs (auto would follow timings)
     from_stdin = runner.invoke(main, args, input="the code is")
     inline = runner.invoke(main, [*args[:1], "the code is", *args[2:]])
     assert from_stdin.exit_code == 0 and from_stdin.stdout == inline.stdout

@@ -60,6 +60,7 @@ def test_a_second_caller_with_a_timeout_gets_engine_busy(engine):
 
 
 def test_a_second_caller_waits_its_turn(engine):
+    engine.generate(PROMPT, CONFIG)  # the reference then follows a run of this prompt, as the waiter does
     reference = engine.generate(PROMPT, CONFIG).tokens
     log = []
     holder = PausedStream(engine, log)
@@ -149,11 +150,13 @@ def test_tokenizing_while_another_thread_generates_changes_nothing(engine):
     messages = [{"role": "user", "content": "hello world, write some python code"}]
     expected_ids = engine.tokenize_chat(messages)
     expected_text = engine.render(messages)
-    reference = engine.generate(PROMPT, GenerationConfig(**{**CONFIG.__dict__, "max_tokens": 120})).tokens
+    long = GenerationConfig(**{**CONFIG.__dict__, "max_tokens": 120})
+    engine.generate(PROMPT, long)  # the reference then follows a run of this prompt, as the worker's does
+    reference = engine.generate(PROMPT, long).tokens
     results, stop = [], threading.Event()
 
     def generate():
-        results.append(engine.generate(PROMPT, GenerationConfig(**{**CONFIG.__dict__, "max_tokens": 120})))
+        results.append(engine.generate(PROMPT, long))
         stop.set()
 
     worker = threading.Thread(target=generate, daemon=True)
