@@ -230,6 +230,16 @@ async def test_engine_errors_become_notifications(monkeypatch):
         assert app.messages[-1]["content"] == "Hello there, friend!"
 
 
+async def test_the_app_says_which_models_run_once_they_load():
+    notes = []
+    app, engine = make_app(describe_models=lambda loaded: f"draft d -> target t ({loaded is engine})")
+    app.notify = lambda text, **kw: notes.append(text)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        await wait_for(pilot, lambda: notes)
+    assert notes == ["draft d -> target t (True)"]
+
+
 async def test_failed_load_is_shown_not_raised():
     def broken():
         raise CactusEdgeError("model file not found: /nope.gguf")

@@ -49,10 +49,12 @@ class CactusChatApp(App):
         *,
         system: str | None = None,
         fetch_default: Callable[[], None] | None = None,
+        describe_models: Callable[[object], str] | None = None,
     ) -> None:
         super().__init__()
         self.engine_factory = engine_factory
         self.fetch_default = fetch_default
+        self.describe_models = describe_models  # engine -> which pair runs, said once it loads
         self.engine = None
         self.config = config or GenerationConfig()
         self.acceptance_view = True
@@ -110,6 +112,8 @@ class CactusChatApp(App):
         self.chat_screen = ChatScreen()
         self.pop_screen()
         self.push_screen(self.chat_screen)
+        if self.describe_models is not None:
+            self.notify(self.describe_models(engine), timeout=8)
 
     def _load_failed(self, error: Exception) -> None:
         screen = self.screen
