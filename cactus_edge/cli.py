@@ -546,7 +546,13 @@ def chat(model, system, **flags) -> None:
             for spec in load_registry().expand(model.pair or "default"):
                 fetch_model(spec, quiet=True)
 
-    CactusChatApp(engine_factory, config, system=system, fetch_default=fetch_default).run()
+    def describe_models(engine) -> str:
+        return f"{engine_description(engine)}{model.faster_pair_hint()}"
+
+    app = CactusChatApp(
+        engine_factory, config, system=system, fetch_default=fetch_default, describe_models=describe_models
+    )
+    app.run()
 
 
 def _split(kind):
@@ -844,98 +850,73 @@ def json_stats(stats) -> dict:
     return {"n_tokens": stats.n_tokens, **{key: summary[key] for key in keys}}
 
 
+def server_options(command):
+    """serve's own flags, one per ServerSettings field that has one: name, type, default and
+    help all come from the field (cactus_edge/server/settings.py), none is written here."""
+    from .server.settings import setting_flags
+
+    def option(flag):
+        if flag.type is bool:
+            return click.option(flag.name, flag.field, is_flag=True, help=flag.help)
+        return click.option(
+            flag.name,
+            flag.field,
+            type=flag.type,
+            default=flag.default,
+            multiple=flag.repeatable,
+            show_default=flag.default not in (None, ()),
+            metavar=flag.metavar,
+            envvar=flag.envvar,
+            help=flag.help,
+        )
+
+    return _apply(command, [option(flag) for flag in setting_flags()])
+
+
 @main.command()
 @model_options
 @sampling_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", type=int, default=8765, show_default=True, help="TCP port; 0 picks a free one.")
-@click.option(
-    "--uds", default=None, type=click.Path(dir_okay=False), help="Listen on this Unix socket instead of TCP."
-)
-@click.option(
-    "--api-key",
-    envvar="CACTUS_EDGE_API_KEY",
-    default=None,
-    help="Require 'Authorization: Bearer KEY' (default: $CACTUS_EDGE_API_KEY, else no key).",
-)
-@click.option(
-    "--cors-origin", multiple=True, help="Browser origin allowed to call (repeatable; none by default)."
-)
-@click.option(
-    "--allowed-host",
-    multiple=True,
-    help="Host header accepted besides localhost/127.0.0.1/[::1] (repeatable; DNS-rebinding protection).",
-)
-@click.option(
-    "--max-queue",
-    type=int,
-    default=16,
-    show_default=True,
-    help="Requests that may wait behind the running one.",
-)
-@click.option("--max-tokens-cap", type=int, default=None, help="Most tokens one request may generate.")
-@click.option(
-    "--max-body-bytes", type=int, default=4 * 1024 * 1024, show_default=True, help="Largest request body."
-)
-@click.option("--model-name", default=None, help="Model id to serve (default: the target file's name).")
-@click.option("--metrics", is_flag=True, help="Serve Prometheus metrics at GET /metrics.")
+@server_options
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 @handle_errors
-def serve(
-    model,
-    system,
-    host,
-    port,
-    uds,
-    api_key,
-    cors_origin,
-    allowed_host,
-    max_queue,
-    max_tokens_cap,
-    max_body_bytes,
-    model_name,
-    metrics,
-    as_json,
-    **flags,
-) -> None:
+def serve(model, system, as_json, **flags) -> None:
     """An OpenAI-compatible server (chat/completions, completions, models) on loopback."""
     import json
     import logging
 
-    from .server import ServerSettings, run
+    from .server import ServerSettings, run, setting_flags
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = build_config(**flags)
-    settings = ServerSettings(
-        host=host,
-        port=port,
-        uds=uds,
-        api_key=api_key or None,
-        cors_origins=tuple(cors_origin),
-        allowed_hosts=tuple(allowed_host),
-        max_queue=max_queue,
-        max_tokens_cap=max_tokens_cap,
-        metrics=metrics,
-        max_body_bytes=max_body_bytes,
-        model_name=model_name or _served_model_name(model),
-        base_config=config,
-        default_system=system,
-    )
-    if host not in ("127.0.0.1", "localhost", "::1") and not uds:
+    chosen = {flag.field: flags[flag.field] for flag in setting_flags()}
+    chosen["model_name"] = chosen["model_name"] or _served_model_name(model)
+    chosen["api_key"] = chosen["api_key"] or None  # an empty $CACTUS_EDGE_API_KEY: no key
+    settings = ServerSettings(**chosen, base_config=config, default_system=system)
+    if settings.exposed:
         click.echo(
-            f"warning: listening on {host} exposes the model to the network"
+            f"warning: listening on {settings.host} exposes the model to the network"
             + ("" if settings.api_key else "; set --api-key"),
             err=True,
         )
 
+    loaded = {}
+
+    def load_engine():
+        loaded["engine"] = model.load(config.method, config.drafter)
+        return loaded["engine"]
+
     def announce(server) -> None:
+        models = engine_description(loaded["engine"])
         if as_json:
             ready = {"event": "listening", "url": server.url, "port": server.port, "uds": settings.uds}
-            click.echo(json.dumps({**ready, "model": settings.model_name, "pid": os.getpid()}))
+            click.echo(
+                json.dumps({**ready, "model": settings.model_name, "models": models, "pid": os.getpid()})
+            )
         else:
+            click.echo(f"[models] {models}{model.faster_pair_hint()}", err=True)
             click.echo(f"listening on {server.url}")
 
-    run(lambda: model.load(config.method, config.drafter), settings, announce)
+    run(load_engine, settings, announce)
 
 
 def _served_model_name(model) -> str:

@@ -30,6 +30,20 @@ MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
 
 
+# Fields that must be numbers (or None where the type allows): a boolean is refused, though
+# Python counts it as an int, since `temperature: true` in a request is a mistake, not 1.
+NUMBER_FIELDS = (
+    "delta",
+    "draft_p_min",
+    "temperature",
+    "top_p",
+    "min_p",
+    "kl_budget",
+    "posterior_threshold",
+    "posterior_alpha",
+)
+
+
 def needs_draft_model(method: str, drafter: str) -> bool:
     """Whether a generation with this method and drafter runs the draft model."""
     return method != "none" and drafter in ("model", "model+lookup")
@@ -72,39 +86,54 @@ class GenerationConfig:
         except InvalidSettingError:
             raise
         except (ValueError, TypeError) as error:  # from the numpy-only validators
-            raise InvalidSettingError(str(error)) from error
+            raise InvalidSettingError(str(error), param=_field_named_by(error)) from error
 
     def _validate(self) -> None:
+        # Every error names its field in ``param``: the OpenAI layer renames it to the request's
+        # field instead of checking each setting again itself.
+        for name in NUMBER_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise InvalidSettingError(f"{name} must be a number, got {value!r}", param=name)
         if self.method not in METHODS:
-            raise InvalidSettingError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise InvalidSettingError(
+                f"method must be one of {', '.join(METHODS)}, got {self.method!r}", param="method"
+            )
         if self.n_draft != "auto" and (
             isinstance(self.n_draft, bool)
             or not isinstance(self.n_draft, int)
             or not 0 <= self.n_draft <= MAX_DRAFT
         ):
             raise InvalidSettingError(
-                f"n_draft must be 'auto' or an integer in [0, {MAX_DRAFT}], got {self.n_draft!r}"
+                f"n_draft must be 'auto' or an integer in [0, {MAX_DRAFT}], got {self.n_draft!r}",
+                param="n_draft",
             )
         if self.drafter not in DRAFTERS:
-            raise InvalidSettingError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        if self.draft_p_min is not None and not (
-            isinstance(self.draft_p_min, (int, float)) and 0.0 <= self.draft_p_min < 1.0
-        ):
-            raise InvalidSettingError(f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
+            raise InvalidSettingError(
+                f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}", param="drafter"
+            )
+        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
+            raise InvalidSettingError(
+                f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}", param="draft_p_min"
+            )
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidSettingError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidSettingError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
         ):
-            raise InvalidSettingError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
-        if self.kl_budget is not None and (
-            isinstance(self.kl_budget, bool)
-            or not isinstance(self.kl_budget, (int, float))
-            or not self.kl_budget >= 0
-        ):
-            raise InvalidSettingError(f"kl_budget must be a number >= 0 or None, got {self.kl_budget!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidSettingError("stop strings must be non-empty strings")
+            raise InvalidSettingError(
+                f"seed must be an integer >= 0 or None, got {self.seed!r}", param="seed"
+            )
+        if self.kl_budget is not None and not self.kl_budget >= 0:
+            raise InvalidSettingError(
+                f"kl_budget must be a number >= 0 or None, got {self.kl_budget!r}", param="kl_budget"
+            )
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSettingError(
+                f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}", param="stop"
+            )
         # Building these validates temperature … min_p and delta (whatever the method, so a bad
         # delta is caught before someone switches to cactus).
         _ = self.sampling, self.rule, Cactus(self.delta)
@@ -155,3 +184,10 @@ class GenerationConfig:
     @property
     def uses_model(self) -> bool:
         return needs_draft_model(self.method, self.drafter)
+
+
+def _field_named_by(error: Exception) -> str | None:
+    """The GenerationConfig field a numpy-only validator's message names: they start with it
+    ("temperature must be …", "delta must be …"); None if it names none."""
+    first = str(error).split(" ", 1)[0]
+    return first if first in GenerationConfig.field_names() else None

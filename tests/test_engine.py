@@ -9,7 +9,7 @@ from scipy import stats as scipy_stats
 from cactus_edge.backend import LlamaModel
 from cactus_edge.engine import Engine, GenerationConfig, _Generation
 from cactus_edge.errors import ContextLengthError, IncompatiblePairError
-from cactus_edge.openai_compat import create_chat_completion
+from cactus_edge.openai_api import create_chat_completion
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
 from .first_tokens import assert_first_drafted_steps_follow_the_target, sample_first_drafted_steps, target_row
@@ -327,7 +327,7 @@ def test_openai_style_completion(engine):
     assert completion["choices"][0]["message"]["role"] == "assistant"
     assert completion["usage"]["completion_tokens"] == 8
     chunks = list(create_chat_completion(engine, messages, max_tokens=8, temperature=0.0, stream=True))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == completion["choices"][0]["message"]["content"]

@@ -101,7 +101,7 @@ def test_the_cli_and_the_openai_layer_take_the_budget(tiny_args):
     from click.testing import CliRunner
 
     from cactus_edge.cli import main
-    from cactus_edge.openai_compat import parse_request
+    from cactus_edge.openai_api import parse_request
 
     args = ["generate", "hi", *tiny_args, "--kl-budget", "0.5", "--n-draft", "4", "--json", "--seed", "1"]
     result = CliRunner().invoke(main, args)

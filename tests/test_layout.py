@@ -89,7 +89,7 @@ def test_configs_stats_and_front_ends_load_without_llama_cpp():
     model library: an app can build requests and read results before (or without) loading one."""
     code = (
         "import sys\n"
-        "import cactus_edge.config, cactus_edge.stats, cactus_edge.openai_compat, cactus_edge.tui.app\n"
+        "import cactus_edge.config, cactus_edge.stats, cactus_edge.openai_api, cactus_edge.tui.app\n"
         "import cactus_edge.drafters, cactus_edge.bench, cactus_edge.cli\n"
         "import cactus_edge.server, cactus_edge.server.app, cactus_edge.server.runner\n"
         "heavy = ('llama_cpp', 'cactus_edge.engine', 'cactus_edge.backend')\n"

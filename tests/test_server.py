@@ -7,6 +7,7 @@ cores). Queue tests hold the engine with a gate instead of relying on timing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -21,7 +22,9 @@ import openai
 import pytest
 
 from cactus_edge.engine import Engine, GenerationConfig
-from cactus_edge.server import Server, ServerApp, ServerSettings, create_server
+from cactus_edge.errors import ContextLengthError, InvalidSettingError
+from cactus_edge.openai_api import create_chat_completion
+from cactus_edge.server import Server, ServerApp, ServerSettings, create_server, setting_flags
 
 WAIT = 60  # seconds: generous bound for every wait
 KEY = "test-key-123"
@@ -235,6 +238,51 @@ def test_models_and_health(http, server):
     assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok"}
 
 
+# --- one shape for the Python facade and the server -------------------------------------------------
+
+
+def key_tree(value):
+    """A response's keys at every level, each value only as "null" or "value" (ids, times and
+    counts differ between two runs of the same generation; which keys there are must not)."""
+    if isinstance(value, dict):
+        return {key: key_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [key_tree(item) for item in value]
+    return "null" if value is None else "value"
+
+
+def served_json(client, **options):
+    """The server's answer as it came over the wire, through the openai client: the body, or
+    the data of every stream event but [DONE]."""
+    create = client.chat.completions.with_streaming_response.create
+    with create(model=MODEL, messages=MESSAGES, max_tokens=6, extra_body=GREEDY, **options) as response:
+        if not options.get("stream"):
+            return response.json()
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def reply_text(answer) -> str:
+    if isinstance(answer, dict):
+        return answer["choices"][0]["message"]["content"]
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in answer if c["choices"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}],
+    ids=["complete", "stream", "stream with usage"],
+)
+def test_the_python_facade_and_the_server_answer_in_the_same_shapes(client, engine, options):
+    """One generation (tiny pair, greedy, fixed seed) through create_chat_completion and through
+    the server with the real openai client over 127.0.0.1: the same keys at every level, in the
+    body or in every chunk, and the same text."""
+    served = served_json(client, **options)
+    local = create_chat_completion(engine, MESSAGES, model=MODEL, max_tokens=6, **GREEDY, **options)
+    local = list(local) if options.get("stream") else local
+    assert key_tree(local) == key_tree(served)
+    assert reply_text(local) == reply_text(served)
+
+
 # --- errors: status + envelope, then the server keeps serving ------------------------------------
 
 LONG = [{"role": "user", "content": "the water is hot and " * 200}]
@@ -253,6 +301,7 @@ ERROR_CASES = [
      "unsupported_parameter"),
     ("no messages", "POST", CHAT, {"json": {"model": MODEL}}, 400, "messages", None),
     ("bad prompt", "POST", "/v1/completions", {"json": {"prompt": 5}}, 400, "prompt", None),
+    ("unknown ids", "POST", "/v1/completions", {"json": {"prompt": [10**6]}}, 400, "prompt", "invalid_value"),
     ("context", "POST", CHAT, {"json": chat_body(messages=LONG)}, 400, "messages", "context_length_exceeded"),
     ("unknown model", "POST", CHAT, {"json": chat_body(model="gpt-4o")}, 404, "model", "model_not_found"),
     ("unknown route", "GET", "/v1/embeddings", {}, 404, None, "unknown_url"),
@@ -279,6 +328,37 @@ def test_errors_use_the_envelope_and_the_server_keeps_serving(
         assert error["code"] == code
     if name == "context":
         assert "512" in error["message"] and "tokens" in error["message"]
+    assert_normal_request_works(http)
+
+
+@pytest.mark.parametrize(
+    "refusal, path, status, param, code",
+    [
+        (InvalidSettingError("no draft here", param="drafter"), CHAT, 400, "speculative.drafter",
+         "invalid_value"),
+        (InvalidSettingError("no such id", param="prompt"), "/v1/completions", 400, "prompt",
+         "invalid_value"),
+        (ContextLengthError("too long for 512"), CHAT, 400, "messages", "context_length_exceeded"),
+    ],
+)  # fmt: skip
+def test_the_engine_checks_each_request_and_the_server_adds_openais_names(
+    server, http, monkeypatch, refusal, path, status, param, code
+):
+    """The server asks Engine.check_request before queueing a request, and keeps its message:
+    it only adds the status, the code and the request's name for the field."""
+    checked = []
+
+    def check_request(prompt_tokens, config):
+        checked.append(config)
+        raise refusal
+
+    monkeypatch.setattr(server.app.engine, "check_request", check_request)
+    body = chat_body() if path == CHAT else {"model": MODEL, "prompt": [1, 2], "max_tokens": 2}
+    response = http.post(path, json=body)
+    assert response.status_code == status and len(checked) == 1
+    assert response.json()["error"] == {"message": str(refusal), "type": "invalid_request_error",
+                                        "param": param, "code": code}  # fmt: skip
+    monkeypatch.undo()
     assert_normal_request_works(http)
 
 
@@ -521,6 +601,26 @@ def test_max_queue_overflow_gets_503_and_only_the_overflow(gated):
     assert len(engine.started) == 3
 
 
+def test_a_request_the_engine_refuses_is_answered_at_once_in_its_words(gated):
+    """The server asks Engine.check_request before queueing, instead of checking the prompt
+    itself: a prompt too long for the context gets its 400 while another generation holds the
+    engine, with the engine's own message and OpenAI's code and field."""
+    engine, start = gated
+    server = start()
+    holder = StreamingClient(server.url, user("hold the engine"))
+    holder.start()
+    wait_until(lambda: len(engine.started) == 1, "the first request to run")
+    with pytest.raises(ContextLengthError) as refused:
+        engine.check_request(engine.tokenize_chat(LONG), GenerationConfig())
+    response = httpx.post(f"{server.url}{CHAT}", json=chat_body(messages=LONG), timeout=10)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": str(refused.value), "type": "invalid_request_error",
+                                        "param": "messages", "code": "context_length_exceeded"}  # fmt: skip
+    engine.gate.set()
+    holder.join(WAIT)
+    assert holder.status == 200 and len(engine.started) == 1  # the refused one never queued
+
+
 def test_disconnect_while_waiting_for_a_full_response_cancels(gated):
     engine, start = gated
     engine.pace = 0.02  # 400 tokens take 8 s: far longer than noticing the hang-up
@@ -574,6 +674,7 @@ def test_sigterm_mid_stream_exits_0(tiny_pair):
         ready = json.loads(lines.get(timeout=120))
         assert ready["event"] == "listening" and ready["url"] == f"http://127.0.0.1:{ready['port']}"
         assert ready["model"] == "tiny-target"
+        assert ready["models"].endswith("-> target tiny-target.gguf")  # which pair runs
         client = StreamingClient(ready["url"], MESSAGES, max_tokens=300, model="tiny-target")
         client.start()
         assert client.first_content.wait(WAIT), (client.status, client.events, client.error)
@@ -632,6 +733,49 @@ def test_serve_help_lists_the_flags():
     for flag in ("--host", "--port", "--uds", "--api-key", "--cors-origin", "--allowed-host", "--max-queue"):
         assert flag in result.output
     assert "--max-tokens-cap" in result.output and "--metrics" in result.output and "8765" in result.output
+    for flag in ("--max-body-bytes", "--model-name", "--json", "--idle-timeout", "--header-timeout"):
+        assert flag in result.output
+    assert "--body-timeout" in result.output and "--max-connections" in result.output
+    assert "--debug" in result.output and "--shutdown-grace" in result.output
+
+
+def serve_settings(monkeypatch, *args: str) -> tuple[ServerSettings | None, str]:
+    """(the ServerSettings `cactus-edge serve ARGS` would run with, its stderr); nothing runs."""
+    from click.testing import CliRunner
+
+    from cactus_edge.cli import main
+
+    seen = {}
+    monkeypatch.setattr("cactus_edge.server.run", lambda load, settings, announce: seen.update(s=settings))
+    result = CliRunner().invoke(main, ["serve", *args], env={"CACTUS_EDGE_API_KEY": ""})
+    assert result.exit_code == 0, result.output
+    return seen.get("s"), result.stderr
+
+
+def test_serve_flags_are_the_settings_fields(monkeypatch, tiny_args):
+    """Every ServerSettings field but the two the shared flags fill (--system and the sampling
+    flags) is a `serve` flag; what is not given keeps the field's default."""
+    fields = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+    assert {flag.field for flag in setting_flags()} == fields.keys() - {"base_config", "default_system"}
+    given = ["--idle-timeout", "2.5", "--debug", "--max-connections", "9", "--system", "be brief"]
+    given += ["--cors-origin", "http://a.example", "--cors-origin", "http://b.example", "--method", "sps"]
+    settings, _ = serve_settings(monkeypatch, *tiny_args, *given)
+    assert (settings.idle_timeout, settings.debug, settings.max_connections) == (2.5, True, 9)
+    assert settings.cors_origins == ("http://a.example", "http://b.example")
+    assert settings.default_system == "be brief" and settings.base_config.method == "sps"
+    assert settings.model_name == "tiny-target" and settings.api_key is None  # an empty key: none
+    changed = {"idle_timeout", "debug", "max_connections", "cors_origins", "model_name"}
+    for name in fields.keys() - changed - {"base_config", "default_system"}:
+        assert getattr(settings, name) == fields[name], name
+
+
+@pytest.mark.parametrize(
+    "host, exposed", [("127.0.0.1", False), ("localhost", False), ("::1", False), ("0.0.0.0", True)]
+)
+def test_serve_warns_only_off_loopback(monkeypatch, tiny_args, host, exposed):
+    settings, stderr = serve_settings(monkeypatch, *tiny_args, "--host", host)
+    assert settings.exposed is exposed and ("exposes the model" in stderr) is exposed
+    assert not ServerSettings(host=host, uds="/tmp/x.sock").exposed  # a Unix socket never is
 
 
 def test_metrics_text(http):

@@ -3,16 +3,19 @@
 Layout, one concern a module:
 
 * ``settings``: :class:`ServerSettings` (how the server listens, what it lets through, its
-  timeouts and limits), the defaults, Host-header names.
+  timeouts and limits), the defaults, the `serve` flags made from its fields
+  (:func:`~.settings.setting_flags`), Host-header names.
 * ``connections``: below the app, uvicorn's h11 protocol with deadlines for idle connections,
   headers and bodies, a cap on open connections under the descriptor limit, envelopes for the
   protocol layer's own answers (malformed HTTP, 408, 503), rate-limited accept-error logs.
 * ``app``: :class:`ServerApp`, a plain ASGI application over an Engine (or none yet: ``/health``
   says 503 while the CLI loads the models, then :meth:`ServerApp.attach` makes it ready). It
-  routes each request after ``guards`` checked it (Host, Origin, CORS preflight, API key), takes
-  a place in the queue before reading the body, parses it with ``parsing`` (size, JSON, lone
-  surrogates, :func:`~cactus_edge.openai_compat.parse_request`, messages or prompt, tokenizing
-  one prompt at a time), checks it fits the context and hands it to the scheduler.
+  routes each request after ``guards`` checked it (Host, Origin, CORS preflight, API key).
+* ``admission``: the generation routes. A request takes a place in the queue before its body is
+  read, is parsed with ``parsing`` (size, JSON, lone surrogates, then
+  :mod:`cactus_edge.openai_api` for the fields, messages or prompt; tokenizing one prompt at a
+  time), checked by the engine (``Engine.check_request``: context, token ids, drafter) and
+  handed to the scheduler.
 * ``scheduler``: :class:`Scheduler` owns the engine: ONE worker thread runs one generation at a
   time, in arrival order, from a bounded queue (``max_queue`` waiting behind the running one or
   being read; more get 503). A running generation is never pre-empted. A request whose client
@@ -20,9 +23,11 @@ Layout, one concern a module:
   engine leaves its caches consistent, so the next request sees what a fresh engine would give);
   with ``debug`` it checks that after every generation.
 * ``streaming``: a job's events as one JSON body or server-sent events, in the shapes of
-  ``responses``; ``exchange``: one ASGI request/response.
-* ``errors``: :class:`HTTPError`, the mapping of library errors to statuses, and ``quote``, how
-  a message shows a client's value (clipped); ``metrics``: the counters of GET /metrics.
+  :mod:`cactus_edge.openai_api.shapes` (the Python facade's too); ``exchange``: one ASGI
+  request/response.
+* ``errors``: :class:`HTTPError`, the mapping of library errors to statuses (the library's
+  message, OpenAI's type, code and field name), and ``quote``, how a message shows a client's
+  value (clipped); ``metrics``: the counters of GET /metrics.
 * ``runner``: :class:`Server` runs the app on uvicorn (h11, asyncio) in a background thread, on a
   socket it binds itself (so port 0 is known before serving); :func:`run` is what the CLI calls:
   signals, loading, the ready line, a clean shutdown.
@@ -36,7 +41,6 @@ the protocol layer's own answers (``connections``).
 from .app import ServerApp
 from .errors import HTTPError, QueueFull, ShuttingDown, error_body
 from .metrics import KL_BUCKETS, Metrics
-from .responses import response_blocks
 from .runner import Server, create_server, run
 from .scheduler import Job, Scheduler
 from .settings import (
@@ -49,6 +53,8 @@ from .settings import (
     MODEL_ALIAS,
     RETRY_AFTER_SECONDS,
     ServerSettings,
+    SettingFlag,
+    setting_flags,
 )
 
 __all__ = [
@@ -69,9 +75,10 @@ __all__ = [
     "Server",
     "ServerApp",
     "ServerSettings",
+    "SettingFlag",
     "ShuttingDown",
     "create_server",
     "error_body",
-    "response_blocks",
     "run",
+    "setting_flags",
 ]

@@ -15,12 +15,13 @@ from ..errors import (
     InvalidSettingError,
     UnsupportedParameterError,
 )
+from ..openai_api import openai_param
 from .settings import RETRY_AFTER_SECONDS
 
 logger = logging.getLogger("cactus_edge.server")
 
 QUOTE_LIMIT = 200  # characters of a client's value an error message shows
-# Every message is clipped too: the library's own messages (openai_compat) quote values in full,
+# Every message is clipped too: the library's own messages (openai_api) quote values in full,
 # and a 200,000-key logit_bias once made a 2.49 MB error body.
 MESSAGE_LIMIT = 400  # our own longest, the Host refusal with a quoted value, is ~320
 
@@ -82,11 +83,13 @@ def busy_error(message: str, code: str) -> HTTPError:
 
 
 def from_library_error(error: BaseException, prompt_param: str) -> HTTPError:
-    """The HTTP answer for an exception a generation raised before its first event."""
-    if isinstance(error, UnsupportedParameterError):
-        return HTTPError(400, str(error), param=error.param, code="unsupported_parameter")
+    """The HTTP answer for a library exception: a request's parsing, the engine's checks
+    (Engine.check_request) or a generation before its first event. The library's message is
+    kept; this adds OpenAI's status, type, code, and the request's name for the field
+    (``prompt_param`` is ``messages`` or ``prompt``)."""
     if isinstance(error, InvalidSettingError):
-        return HTTPError(400, str(error), param=error.param, code="invalid_value")
+        code = "unsupported_parameter" if isinstance(error, UnsupportedParameterError) else "invalid_value"
+        return HTTPError(400, str(error), param=openai_param(error.param, prompt_param), code=code)
     if isinstance(error, ContextLengthError):
         return HTTPError(400, str(error), param=prompt_param, code="context_length_exceeded")
     if isinstance(error, (ShuttingDown, EngineClosedError)):

@@ -1,6 +1,6 @@
 """Reading a generation request: the declared and the actual body size, the JSON body, text that
-cannot be UTF-8, OpenAI's fields (via :func:`~cactus_edge.openai_compat.parse_request`), chat
-messages or a completions prompt, the tokenized prompt, and the final ``max_tokens``."""
+cannot be UTF-8, OpenAI's fields, messages and prompt (read by :mod:`cactus_edge.openai_api`,
+answered here as HTTP errors), the tokenized prompt, and the final ``max_tokens``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import BackendError, CactusEdgeError, EngineClosedError, InvalidSettingError
-from ..openai_compat import parse_request
-from .errors import HTTPError, from_library_error, quote
+from ..openai_api import chat_messages, completion_prompt, parse_request
+from .errors import HTTPError, from_library_error
 from .exchange import Exchange
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # str holds them only unpaired
@@ -107,79 +107,21 @@ async def tokenize(
     """The prompt's token ids, computed in a worker thread while holding one of ``slots``: a long
     prompt takes seconds of CPU, which the running generation needs too."""
     loop = asyncio.get_running_loop()
+    prompt_param = "messages" if chat else "prompt"
     try:
         if chat:
-            messages = chat_messages(body, default_system)
+            messages = chat_messages(body.get("messages"), default_system)
             async with slots:
                 return await loop.run_in_executor(None, engine.tokenize_chat, messages)
-        prompt = _prompt(body, engine.target.vocab_size)
+        prompt = completion_prompt(body.get("prompt"))
         if isinstance(prompt, list):
-            return prompt
+            return prompt  # token ids: Engine.check_request checks they exist
         async with slots:
             return await loop.run_in_executor(None, lambda: engine.tokenize_prompt(prompt, chat=True))
     except (InvalidSettingError, EngineClosedError, BackendError) as error:
-        raise from_library_error(error, "prompt") from None
+        raise from_library_error(error, prompt_param) from None
     except CactusEdgeError as error:  # a chat template refusing the messages
-        raise HTTPError(
-            400, str(error), param="messages" if chat else "prompt", code="invalid_value"
-        ) from None
-
-
-def chat_messages(body: Mapping, default_system: str | None) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise HTTPError(
-            400, "messages must be a non-empty array of messages", param="messages", code="invalid_value"
-        )
-    out = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise HTTPError(
-                400,
-                f"messages[{index}] must be an object with a string 'role', got {quote(message)}",
-                param="messages",
-                code="invalid_value",
-            )
-        message = dict(message)
-        if message["role"] == "developer":  # OpenAI's newer name for the system role
-            message["role"] = "system"
-        if message.get("content") is None:
-            message["content"] = ""
-        out.append(message)
-    if default_system and not any(m["role"] == "system" for m in out):
-        out.insert(0, {"role": "system", "content": default_system})
-    return out
-
-
-def _prompt(body: Mapping, vocab_size: int) -> str | list[int]:
-    """A completions prompt: a string, token ids, or a batch of one of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise HTTPError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        return prompt
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise HTTPError(
-                400, f"prompt token ids must be in [0, {vocab_size})", param="prompt", code="invalid_value"
-            )
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise HTTPError(
-            400,
-            "a batch of several prompts is not supported; send one per request",
-            param="prompt",
-            code="unsupported_parameter",
-        )
-    raise HTTPError(
-        400, "prompt must be a non-empty string or array of token ids", param="prompt", code="invalid_value"
-    )
+        raise HTTPError(400, str(error), param=prompt_param, code="invalid_value") from None
 
 
 def final_config(

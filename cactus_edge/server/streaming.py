@@ -1,16 +1,31 @@
 """Answering an admitted generation: the job's events become one JSON body (``stream: false``)
-or server-sent events (``stream: true``), while a watcher withdraws the job if the client hangs up."""
+or server-sent events (``stream: true``) in :mod:`cactus_edge.openai_api`'s shapes, while a
+watcher withdraws the job if the client hangs up."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from typing import Any
 
 from ..events import StreamEvent
+from ..openai_api import ResponseShape, Timeline, response_blocks
 from .errors import HTTPError, from_library_error
 from .exchange import Exchange
-from .responses import ResponseShape, openai_finish, response_blocks, sse_event
 from .scheduler import Job, Scheduler
+
+
+def sse_event(data: dict | str) -> bytes:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    return f"data: {text}\n\n".encode()
+
+
+def _blocks(event: StreamEvent, job: Job) -> dict:
+    """The response's blocks, from the final event and the job's moments."""
+    timeline = Timeline(job.arrived, job.started, job.first_token, ended=time.perf_counter())
+    return response_blocks(event.stats, job.config, timeline)
 
 
 async def respond(
@@ -68,9 +83,8 @@ async def _complete(exchange: Exchange, job: Job, shape: ResponseShape, prompt_p
         text.append(event.text)
         if event.finish_reason is not None:
             job.done = True
-            blocks = response_blocks(event.stats, job.config, job)
             await exchange.send_json(
-                200, shape.complete("".join(text), openai_finish(event.finish_reason), blocks)
+                200, shape.complete("".join(text), event.finish_reason, _blocks(event, job))
             )
             return
 
@@ -107,8 +121,7 @@ async def _stream(exchange: Exchange, job: Job, shape: ResponseShape, prompt_par
             await exchange.body(sse_event(shape.text_chunk(event.text)), more=True)
         if event.finish_reason is not None:
             job.done = True
-            blocks = response_blocks(event.stats, job.config, job)
-            for chunk in shape.final_chunks(openai_finish(event.finish_reason), blocks):
+            for chunk in shape.final_chunks(event.finish_reason, _blocks(event, job)):
                 await exchange.body(sse_event(chunk), more=True)
             await exchange.body(sse_event("[DONE]"), more=True)
             break

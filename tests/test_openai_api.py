@@ -1,4 +1,6 @@
-"""The OpenAI-shaped layer without a model: request parsing, and response shapes over a fake engine."""
+"""The OpenAI layer (cactus_edge.openai_api) without a model: request parsing, messages and
+prompts, error names, and the facade's response shapes over a fake engine. That the facade and the
+HTTP server answer in the same shapes is tests/test_server.py's (one real generation through both)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import pytest
 from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import InvalidSettingError, UnsupportedParameterError
 from cactus_edge.events import StreamEvent
-from cactus_edge.openai_compat import (
+from cactus_edge.openai_api import (
     NEUTRAL_ONLY,
     SETTINGS,
     SPECULATIVE_KEYS,
     ParsedRequest,
-    chat_completion,
+    ResponseShape,
+    chat_messages,
+    completion_prompt,
+    create_chat_completion,
     parse_request,
 )
 from cactus_edge.stats import GenerationStats
@@ -25,16 +30,25 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 class FakeEngine:
-    """Duck-typed Engine: replays fixed texts, then a final event; records what it was asked."""
+    """Duck-typed Engine: replays fixed texts, then a final event; records what it was asked.
+    ``refuse``: an error its request check raises, as Engine.stream_chat does before any event."""
 
-    def __init__(self, texts=("Hel", "", "lo"), finish="length"):
-        self.texts, self.finish = texts, finish
+    def __init__(self, texts=("Hel", "", "lo"), finish="length", refuse=None):
+        self.texts, self.finish, self.refuse = texts, finish, refuse
         self.calls: list[tuple[list, GenerationConfig]] = []
         self.stats = GenerationStats(
-            method="cactus", n_tokens=len(texts), n_prompt_tokens=7, n_verifier_calls=2, n_accepted=1
+            method="cactus",
+            lossy=True,
+            n_tokens=len(texts),
+            n_prompt_tokens=7,
+            n_prompt_decoded=5,
+            n_verifier_calls=2,
+            n_accepted=1,
         )
 
     def stream_chat(self, messages, config, cancel=None):
+        if self.refuse is not None:
+            raise self.refuse
         self.calls.append((messages, config))
         return self._events()
 
@@ -286,57 +300,152 @@ def test_no_value_raises_anything_but_a_named_setting_error(field):
                 assert error.param, f"{body!r} raised without naming the parameter: {error}"
 
 
-# --- chat_completion over a fake engine ----------------------------------------------------------
+# --- messages and prompts ----------------------------------------------------------------------
+
+
+def test_chat_messages_as_the_template_takes_them():
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": None}]
+    assert chat_messages(messages) == [
+        {"role": "system", "content": "be brief"},  # OpenAI's newer name for the system role
+        {"role": "user", "content": ""},
+    ]
+    assert chat_messages(MESSAGES, "sys")[0] == {"role": "system", "content": "sys"}
+    assert chat_messages(messages, "sys")[0]["content"] == "be brief"  # a system message is kept
+
+
+@pytest.mark.parametrize("messages", [None, [], "hello", [{"content": "no role"}], [3]])
+def test_chat_messages_that_are_not_messages_name_messages(messages):
+    with pytest.raises(InvalidSettingError) as caught:
+        chat_messages(messages)
+    assert caught.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("hi", "hi"), (["hi"], "hi"), ([1, 2], [1, 2]), ([[1, 2]], [1, 2]), ([10**9], [10**9])],
+)
+def test_completion_prompts(prompt, expected):
+    assert completion_prompt(prompt) == expected  # whether ids exist is Engine.check_request's
+
+
+@pytest.mark.parametrize(
+    "prompt, error",
+    [
+        ("", InvalidSettingError),
+        (5, InvalidSettingError),
+        ([], InvalidSettingError),
+        ([1, True], InvalidSettingError),
+        (["a", "b"], UnsupportedParameterError),
+    ],
+)
+def test_completion_prompts_refused_name_prompt(prompt, error):
+    with pytest.raises(error) as caught:
+        completion_prompt(prompt)
+    assert caught.value.param == "prompt"
+
+
+# --- the facade over a fake engine ----------------------------------------------------------------
 
 
 def test_completion_shape():
     engine = FakeEngine()
-    completion = chat_completion(engine, MESSAGES, stream=False, model="m", max_tokens=3)
+    completion = create_chat_completion(engine, MESSAGES, stream=False, model="m", max_tokens=3)
     assert completion["object"] == "chat.completion"
     assert completion["id"].startswith("chatcmpl-")
     assert completion["model"] == "m"
     assert completion["choices"] == [
-        {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length"}
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hello"},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
     ]
-    assert completion["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
-    assert completion["speculative"] == engine.stats.summary()
-    assert completion["speculative"]["acceptance_length"] == 0.5
+    assert completion["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    speculative = completion["speculative"]
+    assert speculative["acceptance_length"] == 0.5 and speculative["lossless"] is False
+    assert (speculative["n_draft"], speculative["delta"]) == ("auto", 1.0)  # the config's
+    assert completion["timings"]["cache_n"] == 2 and completion["stats"]["time_to_first_token"] >= 0
     assert engine.calls == [(MESSAGES, GenerationConfig(max_tokens=3))]
 
 
-def test_cancelled_reads_as_stop():
-    completion = chat_completion(FakeEngine(finish="cancelled"), MESSAGES, stream=False, model="m")
-    assert completion["choices"][0]["finish_reason"] == "stop"
+@pytest.mark.parametrize("finish", ["cancelled", "stop-string", "stop"])
+def test_every_end_on_our_side_reads_as_stop(finish):
+    completion = create_chat_completion(FakeEngine(finish=finish), MESSAGES, stream=False, model="m")
+    assert completion["choices"][0]["finish_reason"] == "stop"  # OpenAI has no other name for them
+    assert completion["stats"]["stop_reason"] == finish  # LM Studio's block says which
 
 
 def test_stream_shape_without_usage():
     engine = FakeEngine()
-    chunks = list(chat_completion(engine, MESSAGES, stream=True, model="m"))
+    chunks = list(create_chat_completion(engine, MESSAGES, stream=True, model="m"))
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "m" for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
-    assert all("usage" not in c for c in chunks)
     deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert deltas == [{"role": "assistant"}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
-    assert chunks[-1]["speculative"] == engine.stats.summary()
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks)
+    assert all("usage" not in c for c in chunks[:-1])
+    last = chunks[-1]
+    assert last["usage"]["completion_tokens"] == 3  # every response carries usage
+    assert {"timings", "stats", "speculative"} <= last.keys()
 
 
 def test_stream_with_include_usage_ends_with_a_usage_chunk():
     chunks = list(
-        chat_completion(
+        create_chat_completion(
             FakeEngine(), MESSAGES, stream=True, model="m", stream_options={"include_usage": True}
         )
     )
     *body, last = chunks
     assert last["choices"] == []
-    assert last["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert last["usage"]["total_tokens"] == 10 and {"timings", "stats", "speculative"} <= last.keys()
     assert all(c["usage"] is None for c in body)  # OpenAI: null on every earlier chunk
     assert body[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_closing_the_stream_closes_the_engine_stream():
+    engine = FakeEngine(texts=("a", "b", "c"))
+    closed, held = [], []
+
+    def events():
+        try:
+            yield from FakeEngine._events(engine)
+        finally:
+            closed.append(True)
+
+    def stream_chat(messages, config, cancel=None):
+        held.append(events())  # a reference elsewhere: closing must not wait for the collector
+        return held[-1]
+
+    engine.stream_chat = stream_chat
+    chunks = create_chat_completion(engine, MESSAGES, stream=True, model="m")
+    next(chunks), next(chunks)  # the role chunk, then "a"
+    chunks.close()
+    assert closed == [True]
+
+
+def test_shapes_take_their_id_and_time():
+    shape = ResponseShape(chat=True, model="m", include_usage=False, id="chatcmpl-1", created=7)
+    assert shape.text_chunk("x") == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 7,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None}],
+    }
+    fresh = ResponseShape.new(chat=False, model="m")
+    assert fresh.id.startswith("cmpl-") and fresh.role_chunk() is None
+
+
 def test_settings_are_parsed_like_a_request():
     engine = FakeEngine()
-    chat_completion(
+    create_chat_completion(
         engine,
         MESSAGES,
         stream=False,
@@ -353,7 +462,9 @@ def test_settings_are_parsed_like_a_request():
 
 def test_flat_speculative_settings_still_work():
     engine = FakeEngine()
-    chat_completion(engine, MESSAGES, stream=False, model="m", method="exact", n_draft=3, drafter="lookup")
+    create_chat_completion(
+        engine, MESSAGES, stream=False, model="m", method="exact", n_draft=3, drafter="lookup"
+    )
     assert engine.calls[0][1] == GenerationConfig(method="exact", n_draft=3, drafter="lookup")
 
 
@@ -370,14 +481,26 @@ def test_flat_speculative_settings_still_work():
 def test_bad_settings_raise_before_the_engine_runs(stream, settings, error, param):
     engine = FakeEngine()
     with pytest.raises(error) as caught:
-        chat_completion(engine, MESSAGES, stream=stream, model="m", **settings)
+        create_chat_completion(engine, MESSAGES, stream=stream, model="m", **settings)
     assert caught.value.param == param
     assert engine.calls == []
 
 
+@pytest.mark.parametrize(
+    "param, openai_param",
+    [("drafter", "speculative.drafter"), ("n_draft", "speculative.n_draft"), ("prompt", "messages")],
+)
+def test_the_engines_errors_name_the_request_field(param, openai_param):
+    """Engine.check_request names GenerationConfig's field; the facade says the request's."""
+    engine = FakeEngine(refuse=InvalidSettingError("refused", param=param))
+    with pytest.raises(InvalidSettingError) as caught:
+        create_chat_completion(engine, MESSAGES)
+    assert caught.value.param == openai_param and str(caught.value) == "refused"
+
+
 def test_importing_the_layer_loads_no_llama_cpp_and_no_engine():
     code = (
-        "import cactus_edge.openai_compat, sys; "
+        "import cactus_edge.openai_api, sys; "
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp loaded'; "
         "assert 'cactus_edge.engine' not in sys.modules, 'engine loaded'"
     )

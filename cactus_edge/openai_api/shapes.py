@@ -1,27 +1,49 @@
-"""Response bodies: OpenAI's chat / completions shapes, our extra blocks (usage, timings, stats,
-speculative) and server-sent-event framing."""
+"""OpenAI's response shapes, one definition for the HTTP server and the Python facade: the
+``chat.completion`` / ``text_completion`` bodies, their stream chunks, and the blocks every
+response carries (``usage``, llama-server's ``timings``, LM Studio's ``stats``, our
+``speculative``). Ids and times are arguments (:class:`ResponseShape`, :class:`Timeline`), so a
+shape depends only on what it is given, never on who ran the generation."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from ..config import GenerationConfig
-from ..stats import GenerationStats
-from .scheduler import Job
+from ..stats import FinishReason, GenerationStats
+
+MODEL_ALIAS = "cactus-edge"  # the model id when none is named; a server accepts it whatever it serves
 
 
-def openai_finish(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"  # cancelled or a stop string: stopped on our side
+def openai_finish(reason: FinishReason | None) -> str:
+    """OpenAI's finish_reason: "length", or "stop" for everything that ended on our side (an
+    end-of-generation token, a stop string, a cancel: OpenAI has no name for the last two)."""
+    return "length" if reason == "length" else "stop"
 
 
-def response_blocks(stats: GenerationStats, config: GenerationConfig, job: Job) -> dict:
+@dataclass(frozen=True)
+class Timeline:
+    """One request's moments, in time.perf_counter() seconds, for the ``stats`` block.
+
+    arrived: the request came in (the HTTP server: its headers; the facade: the call).
+    started: its generation took the engine (None: it never did).
+    first_token: the first token came out (None: none did).
+    ended: the generation's final event.
+    """
+
+    arrived: float
+    started: float | None
+    first_token: float | None
+    ended: float
+
+
+def response_blocks(stats: GenerationStats, config: GenerationConfig, timeline: Timeline) -> dict:
     """usage, llama-server ``timings``, LM Studio ``stats`` and our ``speculative`` block."""
     return {
         "usage": _usage(stats),
         "timings": _timings(stats),
-        "stats": _lm_studio_stats(stats, job, end=time.perf_counter()),
+        "stats": _lm_studio_stats(stats, timeline),
         "speculative": _speculative(stats, config),
     }
 
@@ -54,15 +76,16 @@ def _timings(stats: GenerationStats) -> dict:
     }
 
 
-def _lm_studio_stats(stats: GenerationStats, job: Job, end: float) -> dict:
-    """LM Studio's ``stats`` block; times in seconds from the job's arrival, queueing included."""
-    first = job.first_token if job.first_token is not None else end
+def _lm_studio_stats(stats: GenerationStats, timeline: Timeline) -> dict:
+    """LM Studio's ``stats`` block; times in seconds from the request's arrival, queueing included."""
+    arrived, end = timeline.arrived, timeline.ended
+    first = timeline.first_token if timeline.first_token is not None else end
     decided = sum(step.n_decided for step in stats.steps)
     return {
         "tokens_per_second": stats.tokens_per_second,
-        "time_to_first_token": first - job.arrived,
-        "generation_time": end - (job.started or job.arrived),
-        "queue_time": (job.started or end) - job.arrived,
+        "time_to_first_token": first - arrived,
+        "generation_time": end - (timeline.started or arrived),
+        "queue_time": (timeline.started or end) - arrived,
         "stop_reason": stats.finish_reason,
         "total_draft_tokens_count": stats.n_drafted,
         "accepted_draft_tokens_count": stats.n_accepted,
@@ -88,17 +111,27 @@ def _speculative(stats: GenerationStats, config: GenerationConfig) -> dict:
         "accepted_by_position": list(stats.accepted_by_position),
         "kl_mean": stats.kl_mean,
         "kl_total": stats.kl_total,
-        "kl_budget": getattr(config, "kl_budget", None),
+        "kl_budget": config.kl_budget,
     }
 
 
+@dataclass(frozen=True)
 class ResponseShape:
-    """Chat (``chat.completion``) or legacy completions (``text_completion``) bodies and chunks."""
+    """Chat (``chat.completion``) or legacy completions (``text_completion``) bodies and chunks
+    of one response. ``id`` and ``created`` (Unix seconds) are the response's: every chunk of a
+    stream carries the same ones."""
 
-    def __init__(self, chat: bool, model: str, include_usage: bool) -> None:
-        self.chat, self.model, self.include_usage = chat, model, include_usage
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
+    chat: bool
+    model: str
+    include_usage: bool
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str, include_usage: bool = False) -> ResponseShape:
+        """A shape with a fresh id, created now."""
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        return cls(chat, model, include_usage, completion_id, int(time.time()))
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -115,7 +148,9 @@ class ResponseShape:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    def complete(self, text: str, finish: str, blocks: dict) -> dict:
+    def complete(self, text: str, finish_reason: FinishReason | None, blocks: dict) -> dict:
+        """The whole response: ``text`` and how the generation ended (the engine's reason)."""
+        finish = openai_finish(finish_reason)
         if self.chat:
             choice = {
                 "index": 0,
@@ -130,25 +165,24 @@ class ResponseShape:
     def chunk(self, choices: list[dict], **extra) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", choices)
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = None  # OpenAI's: null on every chunk but the last
         return {**body, **extra}
 
     def role_chunk(self) -> dict | None:
+        """A chat stream's first chunk (completions streams have none)."""
         return self.chunk([self._choice(None, None, role=True)]) if self.chat else None
 
     def text_chunk(self, text: str) -> dict:
         return self.chunk([self._choice(text, None)])
 
-    def final_chunks(self, finish: str, blocks: dict) -> list[dict]:
+    def final_chunks(self, finish_reason: FinishReason | None, blocks: dict) -> list[dict]:
+        """The chunk with the finish reason (and our blocks), then with include_usage the usage
+        chunk (``choices: []``)."""
         extra = {key: value for key, value in blocks.items() if key != "usage"}
         if not self.include_usage:
             extra["usage"] = blocks["usage"]  # not OpenAI's, harmless: every response carries usage
+        finish = openai_finish(finish_reason)
         chunks = [self.chunk([self._choice(None if self.chat else "", finish)], **extra)]
         if self.include_usage:
             chunks.append({**self.chunk([]), **blocks})
         return chunks
-
-
-def sse_event(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {text}\n\n".encode()

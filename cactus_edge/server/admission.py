@@ -1,0 +1,104 @@
+"""Admitting a generation request (POST /v1/chat/completions and /v1/completions): a place in the
+queue before anything is read (a full queue costs a refused request nothing but its headers),
+then the body read and parsed (:mod:`.parsing`), the prompt tokenized one at a time, the request
+checked by the engine (``Engine.check_request``), a :class:`~.scheduler.Job` handed to the
+scheduler, and the answer (:mod:`.streaming`)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Mapping
+
+from ..config import GenerationConfig
+from ..errors import CactusEdgeError
+from ..openai_api import ParsedRequest, ResponseShape
+from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, from_library_error, quote
+from .exchange import Exchange
+from .parsing import ClientGone, check_declared_length, final_config, parse_body, read_json, tokenize
+from .scheduler import Job, Place, Scheduler
+from .settings import MODEL_ALIAS, ServerSettings
+from .streaming import respond
+
+# Prompts are tokenized one at a time: each takes a core for as long as its text is long (a
+# chat template render and llama.cpp's tokenizer), and the running generation needs the cores.
+# How many wait is bounded by the queue's places.
+TOKENIZE_SLOTS = 1
+
+
+def check_model(settings: ServerSettings, name: str | None) -> None:
+    """404 unless ``name`` is None, the served model's id or the alias every server accepts."""
+    if name is not None and name not in (settings.model_name, MODEL_ALIAS):
+        raise HTTPError(
+            404,
+            f"the model {quote(name)} does not exist; this server serves {settings.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class Admission:
+    """The generation routes of one app."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._tickets = itertools.count()
+        self._tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS)
+
+    async def answer(self, exchange: Exchange, engine, scheduler: Scheduler | None, chat: bool) -> None:
+        """Admit the request and answer it (``engine``/``scheduler`` None: still loading, 503)."""
+        arrived = time.perf_counter()
+        ticket = next(self._tickets)  # arrival order, kept through tokenization
+        check_declared_length(exchange, self.settings.max_body_bytes)
+        if scheduler is None:
+            raise busy_error("the model is loading", "model_loading")
+        prompt_param = "messages" if chat else "prompt"
+        with self._reserve(scheduler) as place:
+            try:
+                request, job = await self._prepare(exchange, engine, chat, ticket, arrived)
+            except ClientGone:
+                return
+            try:
+                place.submit(job)
+            except ShuttingDown:
+                raise busy_error("the server is shutting down", "shutting_down") from None
+        shape = ResponseShape.new(chat, request.model or self.settings.model_name, request.include_usage)
+        await respond(exchange, scheduler, job, shape, request.stream, prompt_param)
+
+    async def _prepare(
+        self, exchange: Exchange, engine, chat: bool, ticket: int, arrived: float
+    ) -> tuple[ParsedRequest, Job]:
+        """(the parsed request, its Job): the body read, parsed, tokenized and checked by the
+        engine; ClientGone if the client hangs up while sending it."""
+        body = await read_json(exchange, self.settings.max_body_bytes)
+        request = parse_body(body, self.settings.base_config)
+        check_model(self.settings, request.model)
+        prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots)
+        config = self._fit(engine, request.config, body, prompt, "messages" if chat else "prompt")
+        return request, Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
+
+    def _fit(
+        self, engine, config: GenerationConfig, body: Mapping, prompt: list[int], prompt_param: str
+    ) -> GenerationConfig:
+        """The request's config once the engine has accepted it (Engine.check_request: the prompt
+        fits the context, its ids exist, the drafter has its model), with its final max_tokens.
+        The engine's message is kept; the server adds OpenAI's status, code and field name."""
+        try:
+            engine.check_request(prompt, config)
+        except CactusEdgeError as error:
+            raise from_library_error(error, prompt_param) from None
+        return final_config(config, body, len(prompt), engine.target.n_ctx, self.settings.max_tokens_cap)
+
+    def _reserve(self, scheduler: Scheduler) -> Place:
+        """A place in the queue before the body is read, or 503: a full queue refuses a request
+        before any of its work is done."""
+        try:
+            return scheduler.reserve()
+        except QueueFull:
+            raise busy_error(
+                f"the queue is full ({self.settings.max_queue} waiting); retry later",
+                "queue_full",
+            ) from None
+        except ShuttingDown:
+            raise busy_error("the server is shutting down", "shutting_down") from None
