@@ -29,3 +29,12 @@ def engine_from_args(args: argparse.Namespace, **settings):
 
     settings = {"n_ctx": args.n_ctx, "n_threads": args.threads, **settings}
     return Engine.load(*model_paths(args), **settings)
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The same model flags as a command line, for a script that starts a child process."""
+    flags = ["--n-ctx", str(args.n_ctx)]
+    flags += ["--draft", args.draft] if args.draft else []
+    flags += ["--target", args.target] if args.target else []
+    flags += ["--pair", args.pair] if args.pair else []
+    return flags + (["--threads", str(args.threads)] if args.threads else [])

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cactus_edge.registry import resolve_model_path
-from cactus_edge.script_args import add_model_args, model_paths
+from cactus_edge.script_args import add_model_args, model_flags, model_paths
 
 CATEGORIES = ("mixed", "code-editing", "conversations")
 
@@ -93,22 +93,23 @@ def _log_tail(process: subprocess.Popen, n_chars: int = 2000) -> str:
 
 
 def start_ours(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "cactus_edge.cli", "serve", "--port", "0", "--json"]
-    command += ["--n-ctx", str(args.n_ctx)]
+    command = [sys.executable, "-m", "cactus_edge.cli", "serve", "--port", "0", "--json", *model_flags(args)]
     for flag in ("method", "n_draft", "drafter"):  # none given: the server's defaults
         if getattr(args, flag):
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    command += ["--draft", args.draft, "--target", args.target] if args.target else ["--pair", args.pair]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    process = _popen(command, subprocess.PIPE, "cactus-edge")
+    return start_and_read_url(command, "cactus-edge")
+
+
+def start_and_read_url(command: list[str], name: str, timeout: float = 900) -> tuple[subprocess.Popen, str]:
+    """Start a server whose first stdout line is a JSON ready line with its url."""
+    process = _popen(command, subprocess.PIPE, name)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
     try:
-        ready = json.loads(lines.get(timeout=600))
+        ready = json.loads(lines.get(timeout=timeout))
     except queue.Empty:
         process.kill()
-        raise SystemExit("cactus-edge serve did not print its ready line") from None
+        raise SystemExit(f"{name} did not print its ready line: {_log_tail(process)}") from None
     return process, ready["url"]
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
+from cactus_edge.script_args import add_model_args, engine_from_args
 
 QUESTIONS = [
     "Name one prime number.",
@@ -169,20 +170,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
-    parser.add_argument("--draft")
-    parser.add_argument("--target")
+    add_model_args(parser, n_ctx=1024)
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--n-ctx", type=int, default=1024)
     parser.add_argument("--max-growth-mb", type=float, default=50.0)
     parser.add_argument("--out", default="bench-out/soak")
     args = parser.parse_args()
-    if args.target:
-        engine = Engine.load(args.draft, args.target, n_ctx=args.n_ctx)
-    else:
-        engine = Engine.from_pair(args.pair, n_ctx=args.n_ctx)
-    with engine:
+    with engine_from_args(args) as engine:
         result = soak(engine, args.turns, args.max_tokens)
     rss = [s["rss_mb"] for s in result["samples"]]
     result["growth_mb"], result["steady_growth_mb"] = growth(result)

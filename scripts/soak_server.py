@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import signal
 import socket
 import statistics
@@ -39,9 +38,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_server import _log_tail, _popen
+from bench_server import start_and_read_url
 
 from cactus_edge.bench import load_prompts
+from cactus_edge.script_args import add_model_args, engine_from_args, model_flags
 
 # Short prompts only: a soak is about many requests, not long prefills.
 PROMPTS = [p["prompt"] for p in load_prompts() if p["category"] != "code-editing"]
@@ -107,7 +107,6 @@ def serve_child(args) -> None:
     """`cactus-edge serve` as the CLI runs it, with debug (cache audit) and metrics on."""
     import logging
 
-    from cactus_edge.engine import Engine
     from cactus_edge.server import ServerSettings, run
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -121,9 +120,7 @@ def serve_child(args) -> None:
     )
 
     def load():
-        if args.target:
-            return Engine.load(args.draft, args.target, n_ctx=args.n_ctx, n_threads=args.threads)
-        return Engine.from_pair(args.pair, n_ctx=args.n_ctx, n_threads=args.threads)
+        return engine_from_args(args)
 
     def announce(server) -> None:
         print(json.dumps({"event": "listening", "url": server.url, "pid": os.getpid()}), flush=True)
@@ -132,22 +129,10 @@ def serve_child(args) -> None:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, __file__, "--child", "--n-ctx", str(args.n_ctx)]
-    command += ["--max-queue", str(args.max_queue)]
+    command = [sys.executable, __file__, "--child", "--max-queue", str(args.max_queue), *model_flags(args)]
     for name in TIMEOUTS:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--draft", args.draft, "--target", args.target] if args.target else ["--pair", args.pair]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    process = _popen(command, subprocess.PIPE, "soak-server")
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
-        ready = json.loads(lines.get(timeout=900))
-    except queue.Empty:
-        process.kill()
-        raise SystemExit(f"the server did not get ready: {_log_tail(process)}") from None
-    return process, ready["url"]
+    return start_and_read_url(command, "soak-server")
 
 
 def rss_mb(pid: int) -> float:
@@ -538,11 +523,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
-    parser.add_argument("--draft")
-    parser.add_argument("--target")
-    parser.add_argument("--n-ctx", type=int, default=2048)
-    parser.add_argument("--threads", type=int, default=None)
+    add_model_args(parser, n_ctx=2048)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-queue", type=int, default=4)
