@@ -67,7 +67,7 @@ _NOT_IN_NAME = re.compile(r"[^a-z0-9._+-]+")
 
 
 @dataclass(frozen=True)
-class Job:
+class QuantizeJob:
     """One model to make: the file ``source_path`` (``origin`` in the registry: the name it was
     given by, or its absolute path) re-quantized into the local model ``name``."""
 
@@ -164,7 +164,7 @@ def _is_file(text: str) -> bool:
 
 def _plan(
     text: str, quant_type: str, name: str | None, registry: Registry, models_dir: Path
-) -> tuple[list[Job], PairSpec | None]:
+) -> tuple[list[QuantizeJob], PairSpec | None]:
     """The jobs for ``text`` (a pair, a model name or a path) and the pair to register, if any.
     Sources are resolved here, so a model that is not fetched is refused before anything runs."""
     if text in registry.pairs and not _is_file(text):
@@ -174,15 +174,17 @@ def _plan(
         origin, base = str(path.resolve()), _name_from_file(path)
     else:
         origin, base = text, text
-    return [Job(origin, path, f"{base}-{quant_type}" if name is None else name)], None
+    return [QuantizeJob(origin, path, f"{base}-{quant_type}" if name is None else name)], None
 
 
 def _plan_pair(
     pair: PairSpec, quant_type: str, name: str | None, registry: Registry, models_dir: Path
-) -> tuple[list[Job], PairSpec]:
+) -> tuple[list[QuantizeJob], PairSpec]:
     """One job per distinct member (a self-drafting pair is one model), and the new pair."""
     jobs = {
-        member: Job(member, resolve_model_path(member, registry, models_dir), f"{member}-{quant_type}")
+        member: QuantizeJob(
+            member, resolve_model_path(member, registry, models_dir), f"{member}-{quant_type}"
+        )
         for member in dict.fromkeys((pair.draft, pair.target))
     }
     draft, target = jobs[pair.draft].name, jobs[pair.target].name
@@ -212,7 +214,7 @@ def _refuse_packaged(name: str, registry: Registry, local: dict) -> None:
 
 
 def _check_model_name(
-    job: Job, quant_type: str, registry: Registry, local: dict, models_dir: Path, force: bool
+    job: QuantizeJob, quant_type: str, registry: Registry, local: dict, models_dir: Path, force: bool
 ) -> None:
     """Refuse a name or file that belongs to something else. A local model made the same way
     (same origin and type) may be re-made or reused; one made differently only with ``force``."""
@@ -261,7 +263,12 @@ def _check_pair_name(
 
 
 def _quantize_one(
-    job: Job, quant_type: str, registry: Registry, models_dir: Path, n_threads: int | None, force: bool
+    job: QuantizeJob,
+    quant_type: str,
+    registry: Registry,
+    models_dir: Path,
+    n_threads: int | None,
+    force: bool,
 ) -> QuantizedModel:
     """Make (or reuse) one model and register it at once, so a failure on a pair's second model
     keeps the first. Reused: the registered result of the same source bytes and type, still intact
