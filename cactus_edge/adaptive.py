@@ -52,13 +52,9 @@ def choose_draft_length(
     best_k, best_rate = 0, (1.0 + margin) / verify_ms(1)
     # E[tokens | k] for every k at once, as Python floats: this runs on every plain step, and
     # per-k numpy calls made planning 1% of a step on a CPU.
-    survive = np.cumprod(acceptance[:max_draft]).tolist()
-    expected, total = [], 1.0
-    for k in range(max_draft):
-        total += survive[k] if k < len(survive) else 0.0
-        expected.append(total)
+    expected = [1.0, *(1.0 + np.cumsum(np.cumprod(acceptance[:max_draft]))).tolist()]
     for k in range(1, max_draft + 1):
-        rate = expected[k - 1] / (draft_ms(k) + verify_ms(k + 1))
+        rate = expected[min(k, len(expected) - 1)] / (draft_ms(k) + verify_ms(k + 1))
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k

@@ -14,6 +14,7 @@ import click
 from . import config as defaults
 from .errors import CactusEdgeError
 from .quantize import QUANT_TYPES
+from .registry import DEFAULT_PAIR
 from .stats import PROFILE_PARTS, GenerationStats
 
 INTERNAL_ERROR_EXIT = 1
@@ -141,7 +142,7 @@ def models_fetch(names: tuple[str, ...], keep_wheels: bool, revision: str | None
     from .registry import load_registry
 
     registry = load_registry()
-    specs = [spec for name in names or ("default",) for spec in registry.expand(name)]
+    specs = [spec for name in names or (DEFAULT_PAIR,) for spec in registry.expand(name)]
     if revision is not None and len(specs) != 1:
         raise click.UsageError("--revision pins one model: name a single Hugging Face model")
     for spec in specs:
@@ -254,10 +255,14 @@ class ModelChoice:
         if self.pair and (self.draft or self.target):
             raise click.UsageError("use --pair, or --draft/--target, not both")
 
+    def describe(self, engine) -> str:
+        """Which models run, and where a faster pair is one command away (generate, chat, serve)."""
+        return f"{engine_description(engine)}{self.faster_pair_hint()}"
+
     def faster_pair_hint(self) -> str:
         """Where a faster pair is one command away: the default pair on a CPU (its Q4_K_M files
         verify batches slower than a Q4_0 copy; the quality cost is measured in docs)."""
-        if self.target or self.draft or (self.pair or "default") != "default" or self.n_gpu_layers:
+        if self.target or self.draft or (self.pair or DEFAULT_PAIR) != DEFAULT_PAIR or self.n_gpu_layers:
             return ""
         command = "cactus-edge models quantize default --type q4_0"
         return f" (on a CPU, `{command}` makes a faster pair: --pair default-q4_0)"
@@ -472,7 +477,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
             prompt_tokens = engine.tokenize_prompt(prompt, chat=True)
         events = engine.stream(prompt_tokens, config)  # checks the request before anything prints
         if not as_json:
-            click.echo(f"[models] {engine_description(engine)}{model.faster_pair_hint()}", err=True)
+            click.echo(f"[models] {model.describe(engine)}", err=True)
         if compare:
             events.close()
             _compare(engine, prompt_tokens, config)
@@ -543,14 +548,11 @@ def chat(model, system, **flags) -> None:
         from .registry import load_registry
 
         def fetch_default():
-            for spec in load_registry().expand(model.pair or "default"):
+            for spec in load_registry().expand(model.pair or DEFAULT_PAIR):
                 fetch_model(spec, quiet=True)
 
-    def describe_models(engine) -> str:
-        return f"{engine_description(engine)}{model.faster_pair_hint()}"
-
     app = CactusChatApp(
-        engine_factory, config, system=system, fetch_default=fetch_default, describe_models=describe_models
+        engine_factory, config, system=system, fetch_default=fetch_default, describe_models=model.describe
     )
     app.run()
 
@@ -899,24 +901,17 @@ def serve(model, system, as_json, **flags) -> None:
             err=True,
         )
 
-    loaded = {}
-
-    def load_engine():
-        loaded["engine"] = model.load(config.method, config.drafter)
-        return loaded["engine"]
-
     def announce(server) -> None:
-        models = engine_description(loaded["engine"])
+        engine = server.app.engine  # loaded and attached before the server is announced
         if as_json:
             ready = {"event": "listening", "url": server.url, "port": server.port, "uds": settings.uds}
-            click.echo(
-                json.dumps({**ready, "model": settings.model_name, "models": models, "pid": os.getpid()})
-            )
+            ready |= {"model": settings.model_name, "models": engine_description(engine), "pid": os.getpid()}
+            click.echo(json.dumps(ready))
         else:
-            click.echo(f"[models] {models}{model.faster_pair_hint()}", err=True)
+            click.echo(f"[models] {model.describe(engine)}", err=True)
             click.echo(f"listening on {server.url}")
 
-    run(load_engine, settings, announce)
+    run(lambda: model.load(config.method, config.drafter), settings, announce)
 
 
 def _served_model_name(model) -> str:

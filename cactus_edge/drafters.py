@@ -259,9 +259,9 @@ class LookupDrafter:
     def find(self, committed: list[int], max_tokens: int) -> tuple[list[int], str]:
         """(continuation, source): what followed the context's last n-gram earlier on (see
         :class:`NgramIndex`), and "lookup/<match class>" naming how long the match is, so `auto`
-        learns how far each kind of match is right."""
+        learns how far each kind of match is right ("" when nothing recurs)."""
         tokens, length = self.index.match(committed, max_tokens)
-        return tokens, f"lookup/{match_bucket(length)}"
+        return tokens, f"lookup/{match_bucket(length)}" if tokens else ""
 
     def propose(self, tokens: list[int], source: str) -> Proposal:
         return Proposal(tokens, point_mass_rows(tokens, self.vocab_size), 0.0, source)
@@ -289,7 +289,6 @@ class DraftSourceChooser:
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
-        lookup_source = lookup_source if found else ""
         self.profile.lap("lookup")
         if self.name != "model" and found:
             n_draft = self.planner.plan(len(found), lookup_source)

@@ -179,7 +179,8 @@ class Engine:
         return cls(*load_models(draft, target, **settings))
 
     @classmethod
-    def from_pair(cls, name: str = "default", **kwargs) -> Engine:
+    def from_pair(cls, name: str | None = None, **kwargs) -> Engine:
+        """An engine over a registered pair (None: the default pair)."""
         from .registry import resolve_pair
 
         return cls.load(*resolve_pair(name), **kwargs)
@@ -216,7 +217,7 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         """The context llama.cpp allocated (it may round the requested one up), both models'."""
-        return min(m.n_ctx for m in (self.target, self.draft) if m is not None)
+        return min(m.n_ctx for m in _models(self))
 
     def __enter__(self) -> Engine:
         return self
@@ -285,7 +286,7 @@ class Engine:
     def check_request(self, prompt_tokens: Sequence[int], config: GenerationConfig) -> None:
         """Refuse what cannot run, before a generation takes the engine (InvalidSettingError naming
         the parameter, or ContextLengthError when the allocated context has no room to reply)."""
-        _check_request(config, list(prompt_tokens), self.target, self.draft)
+        _check_request(config, list(prompt_tokens), self.target, self.draft, self.n_ctx)
 
     def _run(self, prompt_tokens, config, cancel, timeout) -> Iterator[StreamEvent]:
         with self._guard.hold(timeout):
@@ -553,7 +554,9 @@ def measure_batch_costs(
     return measured
 
 
-def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None) -> None:
+def _check_request(
+    config, prompt_tokens: list[int], target: LlamaModel, draft: LlamaModel | None, n_ctx: int
+) -> None:
     """Engine.check_request for these models."""
     if config.uses_model and draft is None:
         raise InvalidSettingError(
@@ -565,7 +568,6 @@ def _check_request(config, prompt_tokens: list[int], target: LlamaModel, draft: 
         raise InvalidSettingError("the prompt is empty", param="prompt")
     if any(not 0 <= t < target.vocab_size for t in prompt_tokens):
         raise InvalidSettingError(f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
-    n_ctx = min(m.n_ctx for m in (target, draft) if m is not None)
     if len(prompt_tokens) >= n_ctx:
         raise ContextLengthError(
             f"the prompt has {len(prompt_tokens)} tokens but the context holds {n_ctx} "
