@@ -213,17 +213,24 @@ def turns_of(entry: dict) -> list[str]:
     return list(entry["turns"]) if "turns" in entry else [entry["prompt"]]
 
 
+def converse(engine: Engine, turns: Sequence[str], config_of_turn: Callable[[int], GenerationConfig]):
+    """Yield a TimedRun per user turn, each prompted with the conversation so far (the replies
+    generated here), so the cached prefix is reused as in a chat."""
+    messages: list[dict] = []
+    for turn, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        run = timed_generation(engine, engine.tokenize_chat(messages), config_of_turn(turn))
+        messages.append({"role": "assistant", "content": run.text})
+        yield run
+
+
 def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, settings: dict):
     """Yield one record per user turn of ``entry`` under ``variant``, from empty caches; turn t of
     prompt i has seed i + 1000·t (a one-turn prompt keeps seed i)."""
     engine.clear_caches()
-    messages: list[dict] = []
     turns = turns_of(entry)
-    for turn, text in enumerate(turns):
-        messages.append({"role": "user", "content": text})
-        config = variant.config(seed=index + 1000 * turn, **settings)
-        run = timed_generation(engine, engine.tokenize_chat(messages), config)
-        messages.append({"role": "assistant", "content": run.text})
+    runs = converse(engine, turns, lambda turn: variant.config(seed=index + 1000 * turn, **settings))
+    for turn, run in enumerate(runs):
         stats = run.stats.summary()
         yield {
             "prompt": index if len(turns) == 1 else f"{index}.{turn}",

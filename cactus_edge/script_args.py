@@ -8,6 +8,15 @@ import argparse
 from .config import DEFAULT_N_CTX
 
 
+def script_parser(description: str, *, n_ctx: int = DEFAULT_N_CTX) -> argparse.ArgumentParser:
+    """A script's argument parser: its docstring as help (kept as written) and the model flags."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_model_args(parser, n_ctx=n_ctx)
+    return parser
+
+
 def add_model_args(parser: argparse.ArgumentParser, *, n_ctx: int = DEFAULT_N_CTX) -> None:
     parser.add_argument("--pair", default=None, help="Registered pair (default: 'default').")
     parser.add_argument("--draft", help="Draft GGUF path or registered name (with --target).")

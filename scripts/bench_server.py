@@ -23,7 +23,6 @@ on an otherwise idle machine and name the CPU with the numbers, e.g.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -37,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cactus_edge.registry import resolve_model_path
-from cactus_edge.script_args import add_model_args, model_flags, model_paths
+from cactus_edge.script_args import engine_from_args, model_flags, model_paths, script_parser
 
 CATEGORIES = ("mixed", "code-editing", "conversations")
 
@@ -192,24 +191,21 @@ def run_phase(url: str, model: str, args, clients: int, requests: list[list[str]
 
 def run_direct(args, requests: list[list[str]], round_index: int) -> dict:
     """The same requests on an in-process Engine with the same defaults (one client)."""
-    from cactus_edge.bench import timed_generation
+    from cactus_edge.bench import converse
     from cactus_edge.config import GenerationConfig
-    from cactus_edge.script_args import engine_from_args
 
+    settings = {k: getattr(args, k) for k in ("method", "n_draft", "drafter") if getattr(args, k)}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     results = []
     with engine_from_args(args) as engine:
         engine.warm_up()
         for index, turns in enumerate(requests):
-            messages = []
-            for turn, text in enumerate(turns):
-                messages.append({"role": "user", "content": text})
-                settings = {k: getattr(args, k) for k in ("method", "n_draft", "drafter") if getattr(args, k)}
-                config = GenerationConfig(
-                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    max_tokens=args.max_tokens, seed=1000 * round_index + 10 * index + turn, **settings,
-                )  # fmt: skip
-                run = timed_generation(engine, engine.tokenize_chat(messages), config)
-                messages.append({"role": "assistant", "content": run.text})
+            seed = 1000 * round_index + 10 * index
+
+            def config_of_turn(turn, seed=seed):
+                return GenerationConfig(**sampling, **settings, max_tokens=args.max_tokens, seed=seed + turn)
+
+            for turn, run in enumerate(converse(engine, turns, config_of_turn)):
                 results.append({
                     "ttft": run.ttft_ms / 1000, "tokens": run.stats.n_tokens, "total_s": run.total_ms / 1000,
                     "decode_s": (run.total_ms - run.ttft_ms) / 1000, "request": f"{index}.{turn}",
@@ -245,10 +241,7 @@ def per_request_ratio(ours: list[dict], theirs: list[dict]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser)
+    parser = script_parser(__doc__)
     parser.add_argument("--method", default=None, help="Ours: default, the server's default.")
     parser.add_argument("--n-draft", default=None, help="Ours: default, the server's default.")
     parser.add_argument("--drafter", default=None, help="Ours: default, the server's default.")

@@ -21,7 +21,6 @@ the output folder, so a rerun with other rules reuses them.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from cactus_edge.bench import load_prompts, per_category
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.sampling import SamplingConfig, fit_logits_to_vocab, process_logits, widen_row
-from cactus_edge.script_args import add_model_args, engine_from_args
+from cactus_edge.script_args import engine_from_args, script_parser
 
 SAMPLING = SamplingConfig(temperature=0.6, top_k=20, top_p=0.95)
 
@@ -252,10 +251,7 @@ def plot(summary: dict, k: int, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, n_ctx=2048)
+    parser = script_parser(__doc__, n_ctx=2048)
     parser.add_argument("--per-category", type=int, default=6, help="Prompts per category (6 = all 30).")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)

@@ -13,7 +13,6 @@ token limit, the distinct-4-gram ratio, AL and KL per token. Results go to a res
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -22,7 +21,7 @@ from cactus_edge.bench import load_prompts
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.quality import distinct_ngram_ratio, is_degenerate
-from cactus_edge.script_args import add_model_args, engine_from_args
+from cactus_edge.script_args import engine_from_args, script_parser
 
 CATEGORIES = ("explanation", "math")
 
@@ -91,10 +90,7 @@ def report(out: Path, labels: list[str]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, n_ctx=2048)
+    parser = script_parser(__doc__, n_ctx=2048)
     parser.add_argument("--n-draft", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--kl-budget", type=float, default=4.0)

@@ -15,7 +15,6 @@ context first filled (before that, llama.cpp's preallocated KV cache is being pa
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
-from cactus_edge.script_args import add_model_args, engine_from_args
+from cactus_edge.script_args import engine_from_args, script_parser
 
 QUESTIONS = [
     "Name one prime number.",
@@ -167,10 +166,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, n_ctx=1024)
+    parser = script_parser(__doc__, n_ctx=1024)
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-growth-mb", type=float, default=50.0)

@@ -41,7 +41,7 @@ from pathlib import Path
 from bench_server import start_and_read_url
 
 from cactus_edge.bench import load_prompts
-from cactus_edge.script_args import add_model_args, engine_from_args, model_flags
+from cactus_edge.script_args import engine_from_args, model_flags, script_parser
 
 # Short prompts only: a soak is about many requests, not long prefills.
 PROMPTS = [p["prompt"] for p in load_prompts() if p["category"] != "code-editing"]
@@ -520,10 +520,7 @@ def table(run: Run, audit: dict, term: dict, found: list[str]) -> str:
 def parse_args(argv=None):
     from cactus_edge.server import ServerSettings
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_model_args(parser, n_ctx=2048)
+    parser = script_parser(__doc__, n_ctx=2048)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-queue", type=int, default=4)
