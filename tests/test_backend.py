@@ -1,5 +1,7 @@
 """The llama.cpp backend on tiny random-weight models: real llama.cpp, seconds per test."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,60 @@ def test_corrupt_header_that_passes_our_reader_is_a_backend_error(tmp_path, tiny
     broken.write_bytes(bytes(data))
     with pytest.raises(BackendError, match="could not load"):
         LlamaModel(broken, n_ctx=128)
+
+
+def test_every_decode_runs_on_one_native_thread_whichever_thread_calls(draft, monkeypatch):
+    """llama.cpp's OpenMP build keeps a worker team per calling thread; two calling threads halve
+    decode speed on 2 cores, so every decode goes through the backend's one compute thread."""
+    import threading
+
+    import llama_cpp
+
+    real_decode, callers = llama_cpp.llama_decode, []
+
+    def recording_decode(ctx, batch):
+        callers.append(threading.get_ident())
+        return real_decode(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording_decode)
+    draft.reset()
+    tokens = draft.tokenize("the water is hot")
+    draft.decode(tokens[:2])
+    worker = threading.Thread(target=draft.decode, args=(tokens[2:],))
+    worker.start()
+    worker.join(timeout=30)
+    assert draft.tokens == tokens
+    assert len(callers) == 2 and len(set(callers)) == 1
+    assert callers[0] not in (threading.get_ident(), worker.ident)
+
+
+def test_an_interrupt_during_a_decode_waits_for_it_and_leaves_the_cache_as_before(draft, monkeypatch):
+    """Ctrl-C while llama.cpp decodes: the native call cannot be stopped, so the caller waits for
+    it, drops what it added, and only then raises; the mirror and the cache still agree."""
+    import signal
+    import threading
+
+    import llama_cpp
+
+    real_decode, finished = llama_cpp.llama_decode, threading.Event()
+
+    def slow_interrupted_decode(ctx, batch):
+        # A real SIGINT to the main thread, which is waiting for this call: it wakes the wait.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+        status = real_decode(ctx, batch)
+        finished.set()
+        return status
+
+    draft.reset()
+    tokens = draft.tokenize("the water is hot and the fire is warm")
+    draft.decode(tokens[:3])
+    monkeypatch.setattr(llama_cpp, "llama_decode", slow_interrupted_decode)
+    with pytest.raises(KeyboardInterrupt):
+        draft.decode(tokens[3:])
+    assert finished.is_set()  # raised only after the native call returned
+    monkeypatch.setattr(llama_cpp, "llama_decode", real_decode)
+    assert draft.tokens == tokens[:3] and draft.cache_range() == (0, 2)
+    resumed = draft.decode(tokens[3:])[-1]
+    draft.reset()
+    np.testing.assert_allclose(resumed, draft.decode(tokens)[-1], atol=LOGIT_ATOL)
