@@ -207,7 +207,7 @@ class LlamaModel:
         self._ctx = None
         self._batch = None
         model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = n_gpu_layers
+        model_params.n_gpu_layers = self.n_gpu_layers = n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self._model:
             raise BackendError(f"llama.cpp could not load {self.path} (run with --verbose for details)")
@@ -245,6 +245,24 @@ class LlamaModel:
         self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
 
     # --- lifecycle -----------------------------------------------------------------------------
+
+    def cost_identity(self) -> dict | None:
+        """What this model's batch costs depend on besides the CPU: the file as it is now, the
+        threads, GPU layers and batch size, and llama-cpp-python's version (None if the file is
+        gone). Measured costs are kept per identity (cost_cache)."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return {
+            "file": str(self.path.resolve()),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "n_threads": self.n_threads,
+            "n_gpu_layers": self.n_gpu_layers,
+            "n_batch": self.n_batch,
+            "llama_cpp": llama_cpp.__version__,
+        }
 
     def _check_open(self) -> None:
         if not self._ctx:

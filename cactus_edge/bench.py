@@ -7,7 +7,6 @@ prompt keeps ratios to plain decoding honest on a noisy machine: a slow minute h
 from __future__ import annotations
 
 import json
-import platform
 import resource
 import statistics
 import sys
@@ -383,18 +382,6 @@ def _waiting_cells(entry: dict) -> str:
     ttft = entry["ttft_ratio_median"]
     ttft = f"{ttft:.2f}" if ttft is not None else "–"
     return f"{entry['e2e_speedup_median']:.2f} ({entry['e2e_speedup_aggregate']:.2f}) | {ttft}"
-
-
-def cpu_model_name() -> str:
-    """The CPU's model name ("AMD EPYC", "Apple M2"...), for every benchmark's header."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def peak_rss_mb() -> float:

@@ -667,7 +667,6 @@ def bench(
 
     from .bench import (
         MEMORY_BOUND_VERIFY_RATIO,
-        cpu_model_name,
         load_workload,
         make_variants,
         markdown_table,
@@ -679,6 +678,7 @@ def bench(
     from .bench import (
         per_category as per_category_selection,
     )
+    from .machine import cpu_model_name
 
     prompts = load_workload(prompts_file, category)
     if per_category:

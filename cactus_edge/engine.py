@@ -38,10 +38,12 @@ from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CATCH_UP_HORIZON, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
+from .cost_cache import load_costs, save_costs
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
+from .machine import cpu_model_name
 from .output import Output
 from .sampling import sample_token
 from .stats import GenerationStats, StepProfiler, StepStats
@@ -517,15 +519,32 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
     """Measure what `auto` needs before its first choice, once per cost model and model: the
     target's cost of each verify batch size and the draft's of short batches
     (:func:`measure_batch_costs`). Learning only the sizes it happens to use, `auto` missed cheap
-    ones (on Q4_0, 4 tokens cost less than 3); real steps keep refining every size."""
+    ones (on Q4_0, 4 tokens cost less than 3); real steps keep refining every size. A measurement
+    made by an earlier process for the same CPU, file and settings is reused (cost_cache)."""
     for role, model, sizes, record in (
         ("target", target, CALIBRATION_VERIFY_SIZES, costs.record_verify),
         ("draft", draft, CALIBRATION_DRAFT_SIZES, costs.record_draft),
     ):
         if model is not None and role not in costs.calibrated:
             costs.calibrated.add(role)
-            for n_tokens, ms in measure_batch_costs(model, sizes, filler).items():
+            for n_tokens, ms in _batch_costs(model, sizes, filler).items():
                 record(n_tokens, ms)
+
+
+def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> dict[int, float]:
+    """The cached costs of these batch sizes for this model, else freshly measured ones (kept
+    when every size fitted the context)."""
+    identity = model.cost_identity()
+    if identity is None:
+        return measure_batch_costs(model, sizes, filler)
+    identity = {**identity, "cpu": cpu_model_name(), "sizes": list(sizes)}
+    cached = load_costs(identity, sizes)
+    if cached is not None:
+        return cached
+    measured = measure_batch_costs(model, sizes, filler)
+    if set(sizes) <= set(measured):
+        save_costs(identity, measured)
+    return measured
 
 
 def _engine_costs(target: LlamaModel, draft: LlamaModel | None, sizes, repeats: int) -> dict:

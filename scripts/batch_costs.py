@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 
 from cactus_edge.backend import LlamaModel, physical_cores
-from cactus_edge.bench import cpu_model_name
 from cactus_edge.engine import measure_batch_costs
 from cactus_edge.errors import CactusEdgeError
 from cactus_edge.gguf_info import read_gguf
+from cactus_edge.machine import cpu_model_name
 from cactus_edge.registry import resolve_model_path
 
 N_CTX = 2048

@@ -301,7 +301,7 @@ SERVERS = ("cactus-edge", "llama_cpp.server")
 
 def report(args, categories, levels, runs, direct, out_path) -> str:
     """The Markdown table (and bench-out JSON) of a run."""
-    from cactus_edge.bench import cpu_model_name
+    from cactus_edge.machine import cpu_model_name
 
     rows, summary = [], {}
     for category in categories:

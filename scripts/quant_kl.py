@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from cactus_edge.backend import LlamaModel
-from cactus_edge.bench import cpu_model_name, load_prompts, per_category
+from cactus_edge.bench import load_prompts, per_category
 from cactus_edge.config import GenerationConfig
 from cactus_edge.engine import Engine
 from cactus_edge.errors import CactusEdgeError
 from cactus_edge.gguf_info import read_gguf
+from cactus_edge.machine import cpu_model_name
 from cactus_edge.registry import resolve_model_path
 
 ROWS_PER_CHUNK = 64  # float64 work on at most this many logit rows at a time

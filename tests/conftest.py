@@ -14,6 +14,10 @@ from cactus_edge.registry import load_registry
 
 from .tiny_gguf import BASE_WORDS, write_tiny_llama
 
+# `auto`'s costs measured by an earlier run (a developer's, or another test's) must not decide what
+# a test measures: tests that exercise the cost cache point it at their own folder.
+os.environ["CACTUS_EDGE_COST_CACHE"] = "off"
+
 # Same size as the tiny pair's vocabulary, different token order: only the texts differ.
 MISMATCH_WORDS = tuple(reversed(BASE_WORDS))
 # 20 words (40 tokens: "▁word" and "word") appended to the vocabulary: a pair whose sizes differ

@@ -1,0 +1,17 @@
+"""Facts about the machine that benchmarks print and cached measurements are keyed by."""
+
+from __future__ import annotations
+
+import platform
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name ("AMD EPYC", "Apple M2"...), for every benchmark's header."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
