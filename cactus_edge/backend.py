@@ -14,10 +14,12 @@ import os
 import platform
 import queue
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from pathlib import Path
 
 import llama_cpp
@@ -32,6 +34,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .gguf_info import GGUFInfo, read_gguf
+from .machine import cpu_model_name
 from .sampling import first_non_finite_row
 
 logger = logging.getLogger("cactus_edge.llama")
@@ -71,45 +74,48 @@ def _ensure_backend() -> None:
 
 
 class _ComputeThread:
-    """The one thread per process that calls llama_decode.
+    """The one thread per process that calls llama_decode (any future llama_encode belongs here
+    too: whatever runs llama.cpp's compute graph).
 
     llama.cpp's CPU backend, built with OpenMP (as llama-cpp-python builds it on Linux), keeps a
     team of worker threads per calling thread. Once two threads have decoded (the main thread's
     warm-up, then a server's engine thread or a TUI worker), every later decode runs at about half
-    speed on 2 cores (measured: 24 vs 11–17 tok/s, same engine and prompt). Routing every decode
-    through one thread keeps one team, whichever thread generates; the hand-off costs tens of µs.
+    speed on 2 cores (`cactus-edge serve` decoded 12–17 tok/s where `generate` did 26–28). Routing
+    every decode through one thread keeps one team, whichever thread generates; the hand-off costs
+    ~23 µs a decode.
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     def call(self, function: Callable, *args):
-        """function(*args) on the compute thread; its result, or its exception. An interrupt
-        (Ctrl-C) while waiting is raised only once the call has returned: a native call cannot be
-        stopped, and the caller must not touch the context while it runs."""
-        if threading.current_thread() is self._thread:
-            return function(*args)
+        """function(*args) on the compute thread; its result, or its exception. Anything raised
+        in the caller while it waits (Ctrl-C, a signal handler's exception) is raised only once the
+        call has returned, since a native call cannot be stopped and the caller must not touch the
+        context while it runs; a call that had not started yet is withdrawn instead."""
+        if threading.current_thread() is self._thread or sys.is_finalizing():
+            return function(*args)  # no thread to hand to while the interpreter shuts down
         future: Future = Future()
-        self._jobs_queue().put((future, function, args))
-        interrupt: BaseException | None = None
-        while True:
-            try:
-                result = future.result()
-                break
-            except (KeyboardInterrupt, SystemExit) as exc:
-                if not future.done():
-                    interrupt = interrupt or exc
-                    continue
-                raise
-        if interrupt is not None:
-            raise interrupt
-        return result
+        try:
+            self._started_queue().put((future, function, args))
+            return future.result()
+        except BaseException as raised:
+            if not future.cancel():  # running or done: let the native call end first
+                _wait_through_interrupts(future)
+            failure = None if future.cancelled() else future.exception()
+            if failure is raised:
+                raise  # the call's own exception
+            raise raised from failure  # an interrupt while it ran (and whatever the call raised)
 
-    def _jobs_queue(self) -> queue.SimpleQueue:
+    def _started_queue(self) -> queue.SimpleQueue:
+        """The job queue, its thread started on first use (or again in a forked child)."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # first use, or after a fork
+            if self._thread is None or not self._thread.is_alive():
                 self._jobs = queue.SimpleQueue()
                 self._thread = threading.Thread(
                     target=self._serve, args=(self._jobs,), name="cactus-edge-llama", daemon=True
@@ -122,14 +128,28 @@ class _ComputeThread:
         while True:
             future, function, args = jobs.get()
             if not future.set_running_or_notify_cancel():
-                continue
+                continue  # withdrawn by its caller before it started
             try:
                 future.set_result(function(*args))
             except BaseException as exc:  # handed to the caller, who re-raises it
                 future.set_exception(exc)
 
 
+def _wait_through_interrupts(future: Future) -> None:
+    """Wait for ``future`` to finish; a further Ctrl-C meanwhile is dropped (the first one is
+    raised once the native call has returned)."""
+    while True:
+        try:
+            wait_for([future])
+            return
+        except BaseException:
+            continue
+
+
 _COMPUTE = _ComputeThread()
+if hasattr(os, "register_at_fork"):
+    # A fork while another thread held the lock would leave the child's copy locked forever.
+    os.register_at_fork(after_in_child=_COMPUTE._reset)
 
 
 def physical_cores() -> int:
@@ -193,6 +213,7 @@ class LlamaModel:
     ) -> None:
         self.path = Path(path)
         self.info = info or read_gguf(self.path)  # typed errors for missing / non-GGUF / truncated
+        self._file_identity = _file_identity(self.path)  # as loaded: a replacement is another file
         trained = self.info.context_length
         if n_ctx <= 0:
             n_ctx = trained or DEFAULT_N_CTX
@@ -207,7 +228,8 @@ class LlamaModel:
         self._ctx = None
         self._batch = None
         model_params = llama_cpp.llama_model_default_params()
-        model_params.n_gpu_layers = self.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
+        model_params.n_gpu_layers = n_gpu_layers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not self._model:
             raise BackendError(f"llama.cpp could not load {self.path} (run with --verbose for details)")
@@ -247,21 +269,22 @@ class LlamaModel:
     # --- lifecycle -----------------------------------------------------------------------------
 
     def cost_identity(self) -> dict | None:
-        """What this model's batch costs depend on besides the CPU: the file as it is now, the
-        threads, GPU layers and batch size, and llama-cpp-python's version (None if the file is
-        gone). Measured costs are kept per identity (cost_cache)."""
-        try:
-            stat = self.path.stat()
-        except OSError:
+        """What this model's batch costs depend on: the file as it was loaded, the threads, GPU
+        layers and batch size, llama.cpp's build (version and compiled-in CPU features) and the
+        CPU (model name, usable cores). Measured costs are kept per identity (cost_cache); None
+        when the file could not be identified."""
+        if self._file_identity is None:
             return None
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return {
-            "file": str(self.path.resolve()),
-            "size": stat.st_size,
-            "mtime_ns": stat.st_mtime_ns,
+            **self._file_identity,
             "n_threads": self.n_threads,
             "n_gpu_layers": self.n_gpu_layers,
             "n_batch": self.n_batch,
             "llama_cpp": llama_cpp.__version__,
+            "build": llama_cpp.llama_print_system_info().decode(errors="replace"),
+            "cpu": cpu_model_name(),
+            "usable_cpus": usable,
         }
 
     def _check_open(self) -> None:
@@ -474,9 +497,11 @@ class LlamaModel:
         try:
             status = _COMPUTE.call(llama_cpp.llama_decode, self._ctx, self._batch)
         except BaseException:
-            # Interrupted while llama.cpp decoded (the call waited for it to end): the mirror was
-            # not extended, so drop whatever the decode added to the cache.
-            self._remove_from(position)
+            # Interrupted (the decode has ended: call waits for it) or failed: the mirror was not
+            # extended, so drop whatever the decode added. If even that fails, the next
+            # generation's sync_cache repairs it; the interrupt is what the caller must see.
+            with contextlib.suppress(BackendError):
+                self._remove_from(position)
             raise
         self.last_decode_ms += (time.perf_counter() - start) * 1000
         if status != 0:
@@ -545,6 +570,14 @@ class LlamaModel:
             return self.decode(tokens, output_rows=output_rows)
         finally:
             self.reset()
+
+
+def _file_identity(path: Path) -> dict | None:
+    try:
+        stat = path.stat()
+        return {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    except OSError:
+        return None
 
 
 class _BatchArrays:

@@ -21,6 +21,10 @@ from .files import user_cache_folder, write_text_atomically
 
 COST_CACHE_ENV = "CACTUS_EDGE_COST_CACHE"
 MAX_AGE_DAYS = 30
+MAX_KEPT_CONTEXT = 512  # tokens before a measurement that may be kept
+# A kept table is used while a fresh one-token decode costs within this factor of its entry:
+# timings drift by ±20% on a shared 2-core machine, a table taken under load is off by far more.
+MAX_DRIFT = 1.5
 FORMAT = 1
 
 logger = logging.getLogger("cactus_edge.costs")
@@ -44,8 +48,8 @@ def cost_file(identity: dict) -> Path | None:
 
 
 def load_costs(identity: dict, sizes) -> dict[int, float] | None:
-    """{batch size: ms} measured earlier for ``identity`` with every one of ``sizes``; None when
-    there is none, it is older than MAX_AGE_DAYS, or it cannot be read (it is then re-measured)."""
+    """{batch size: ms} measured earlier for ``identity``, holding every one of ``sizes``; None
+    when there is none, it is older than MAX_AGE_DAYS, or it cannot be read (then re-measured)."""
     path = cost_file(identity)
     if path is None:
         return None
@@ -59,6 +63,13 @@ def load_costs(identity: dict, sizes) -> dict[int, float] | None:
     if not set(sizes) <= set(costs) or not all(0.0 < ms < float("inf") for ms in costs.values()):
         return None
     return costs
+
+
+def still_holds(kept: dict[int, float], fresh: dict[int, float]) -> bool:
+    """Whether a fresh measurement of size 1 agrees with the kept table within MAX_DRIFT."""
+    if 1 not in fresh or 1 not in kept:
+        return False
+    return 1 / MAX_DRIFT <= fresh[1] / kept[1] <= MAX_DRIFT
 
 
 def save_costs(identity: dict, costs: dict[int, float]) -> None:

@@ -38,12 +38,11 @@ from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CATCH_UP_HORIZON, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
-from .cost_cache import load_costs, save_costs
+from .cost_cache import MAX_KEPT_CONTEXT, load_costs, save_costs, still_holds
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
-from .machine import cpu_model_name
 from .output import Output
 from .sampling import sample_token
 from .stats import GenerationStats, StepProfiler, StepStats
@@ -532,17 +531,19 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
 
 
 def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> dict[int, float]:
-    """The cached costs of these batch sizes for this model, else freshly measured ones (kept
-    when every size fitted the context)."""
+    """The costs of these batch sizes kept for this model (cost_cache), if one fresh decode of a
+    single token still costs what they say; else freshly measured ones, kept when every size fitted
+    and the context was short (attention grows with it: a table taken behind a long prompt would
+    overstate every later request's costs)."""
     identity = model.cost_identity()
     if identity is None:
         return measure_batch_costs(model, sizes, filler)
-    identity = {**identity, "cpu": cpu_model_name(), "sizes": list(sizes)}
-    cached = load_costs(identity, sizes)
-    if cached is not None:
-        return cached
+    kept = load_costs(identity, sizes)
+    if kept is not None and still_holds(kept, measure_batch_costs(model, [1], filler)):
+        return kept
+    n_past = model.n_past
     measured = measure_batch_costs(model, sizes, filler)
-    if set(sizes) <= set(measured):
+    if set(sizes) <= set(measured) and n_past <= MAX_KEPT_CONTEXT:
         save_costs(identity, measured)
     return measured
 

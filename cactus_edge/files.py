@@ -20,7 +20,7 @@ def user_data_folder(kind: str) -> Path:
 
 
 def user_cache_folder(kind: str) -> Path:
-    """The user's cache folder for ``kind`` ("wheels", "humaneval"): safe to delete."""
+    """The user's cache folder for ``kind`` ("wheels", "humaneval", "costs"): safe to delete."""
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir(APP_NAME)) / kind

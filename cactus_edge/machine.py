@@ -6,7 +6,8 @@ import platform
 
 
 def cpu_model_name() -> str:
-    """The CPU's model name ("AMD EPYC", "Apple M2"...), for every benchmark's header."""
+    """The CPU's model name ("AMD EPYC", "Apple M2"...), for benchmark headers and the
+    kept batch costs' key."""
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:

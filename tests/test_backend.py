@@ -182,7 +182,7 @@ def test_every_decode_runs_on_one_native_thread_whichever_thread_calls(draft, mo
     worker = threading.Thread(target=draft.decode, args=(tokens[2:],))
     worker.start()
     worker.join(timeout=30)
-    assert draft.tokens == tokens
+    assert not worker.is_alive() and draft.tokens == tokens
     assert len(callers) == 2 and len(set(callers)) == 1
     assert callers[0] not in (threading.get_ident(), worker.ident)
 
@@ -217,3 +217,53 @@ def test_an_interrupt_during_a_decode_waits_for_it_and_leaves_the_cache_as_befor
     resumed = draft.decode(tokens[3:])[-1]
     draft.reset()
     np.testing.assert_allclose(resumed, draft.decode(tokens)[-1], atol=LOGIT_ATOL)
+
+
+def _interrupt_main_after(seconds: float):
+    import signal
+    import threading
+
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_a_call_interrupted_before_it_started_is_withdrawn():
+    """Ctrl-C while a call waits behind another: it never runs, and the caller returns at once."""
+    import threading
+
+    from cactus_edge.backend import _COMPUTE
+
+    release, busy, ran = threading.Event(), threading.Event(), []
+    blocker = threading.Thread(target=_COMPUTE.call, args=(lambda: (busy.set(), release.wait(10)),))
+    blocker.start()
+    assert busy.wait(10)
+    timer = _interrupt_main_after(0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _COMPUTE.call(ran.append, "ran")
+        assert not release.is_set()  # returned while the first call was still running
+    finally:
+        timer.cancel()
+        release.set()
+        blocker.join(10)
+    assert _COMPUTE.call(lambda: "later") == "later" and ran == []
+
+
+def test_an_interrupt_is_not_lost_when_the_running_call_fails():
+    import threading
+
+    from cactus_edge.backend import _COMPUTE
+
+    def failing_after_the_interrupt():
+        delivered = threading.Event()
+        timer = _interrupt_main_after(0.0)
+        timer.join()
+        delivered.wait(0.2)  # the caller is woken meanwhile and must keep waiting
+        raise ValueError("the call's own failure")
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        _COMPUTE.call(failing_after_the_interrupt)
+    assert isinstance(raised.value.__cause__, ValueError)
+    with pytest.raises(ValueError):  # without an interrupt, the call's exception as it is
+        _COMPUTE.call(int, "x")
