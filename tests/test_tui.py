@@ -459,3 +459,56 @@ def test_snapshot_of_a_short_conversation(snap_compare, acceptance_view):
         await pilot.pause()
 
     assert snap_compare(app, run_before=run_before, terminal_size=(80, 24))
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        "{not json",
+        json.dumps({"messages": "hi", "replies": []}),
+        json.dumps({"messages": [{"role": "system", "content": "x"}], "replies": []}),
+        json.dumps({"messages": [{"role": "user"}], "replies": []}),
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "replies": [],
+            }
+        ),
+        json.dumps({"messages": [{"role": "assistant", "content": "a"}], "replies": [["a", True]]}),
+        json.dumps({"system": 3, "messages": [], "replies": []}),
+    ],
+)
+def test_a_file_that_is_not_a_saved_conversation_is_a_value_error_naming_it(tmp_path, content):
+    path = tmp_path / "other.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="other.json is not a saved conversation|Expecting"):
+        conversations_module.read_transcript(path)
+
+
+def test_load_without_a_name_takes_the_most_recent_save(monkeypatch, tmp_path):
+    import os
+
+    monkeypatch.setattr(conversations_module, "conversations_dir", lambda: tmp_path)
+    for age, name in ((100, "zz-my-own-name"), (10, "20261201-100000")):
+        path = tmp_path / f"{name}.json"
+        path.write_text("{}")
+        os.utime(path, (time.time() - age, time.time() - age))
+    assert conversations_module.saved_path().name == "20261201-100000.json"
+
+
+async def test_loading_a_wrongly_shaped_file_is_a_notification_and_the_chat_goes_on(monkeypatch, tmp_path):
+    monkeypatch.setattr(conversations_module, "conversations_dir", lambda: tmp_path)
+    (tmp_path / "bad.json").write_text(json.dumps({"messages": [{"role": "user"}], "replies": []}))
+    app, _ = make_app()
+    notes = []
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        monkeypatch.setattr(app, "notify", lambda text, **kw: notes.append((text, kw.get("severity"))))
+        await say(pilot, "hi")
+        await enter(pilot, "/load bad")
+        await wait_for(pilot, lambda: notes)
+        assert notes == [
+            ("/load: bad.json is not a saved conversation: message 0 has no text content", "error")
+        ]
+        await assert_conversation(pilot, ("user", "hi"), ("assistant", TEXT))

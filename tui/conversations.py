@@ -53,21 +53,51 @@ def save_transcript(transcript: Transcript, config: GenerationConfig, name: str 
 
 
 def saved_path(name: str | None = None) -> Path:
-    """The file ``name`` was saved to; without a name, the last by file name (saves named by their
-    timestamp sort by age, but a name of the user's own may sort after them)."""
+    """The file ``name`` was saved to; without a name, the most recently written one (by time, not
+    by name: a name of the user's own may sort after the timestamped ones)."""
     folder = conversations_dir()
     if name is not None:
         return folder / f"{name}.json"
-    saved = sorted(folder.glob("*.json"))
+    saved = list(folder.glob("*.json"))
     if not saved:
         raise ValueError(f"no saved conversations in {folder}")
-    return saved[-1]
+    return max(saved, key=lambda path: path.stat().st_mtime_ns)
 
 
 def read_transcript(path: Path) -> Transcript:
-    data = json.loads(path.read_text())
+    """The conversation saved in ``path``; ValueError naming the file if it is not one (a JSON
+    file of another shape, another program's file, a hand edit gone wrong)."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    problem = _shape_problem(data)
+    if problem:
+        raise ValueError(f"{path.name} is not a saved conversation: {problem}")
     replies = [Reply([(text, bool(drafted)) for text, drafted in pieces]) for pieces in data["replies"]]
     return Transcript(data.get("system"), data["messages"], replies)
+
+
+def _shape_problem(data) -> str | None:
+    """What is wrong with a loaded JSON value as a saved conversation, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if not isinstance(data.get("system"), (str, type(None))):
+        return "'system' is not text"
+    messages, replies = data.get("messages"), data.get("replies")
+    if not isinstance(messages, list) or not isinstance(replies, list):
+        return "'messages' and 'replies' must be lists"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            return f"message {index} is not a user or assistant message"
+        if not isinstance(message.get("content"), str):
+            return f"message {index} has no text content"
+    n_replies = sum(message["role"] == "assistant" for message in messages)
+    if len(replies) != n_replies:
+        return f"{len(replies)} replies for {n_replies} assistant messages"
+    for pieces in replies:
+        if not isinstance(pieces, list) or not all(
+            isinstance(piece, list) and len(piece) == 2 and isinstance(piece[0], str) for piece in pieces
+        ):
+            return "a reply is not a list of [text, from_draft] pieces"
+    return None
 
 
 def export_markdown(transcript: Transcript, target: str | None = None) -> Path:
