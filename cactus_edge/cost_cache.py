@@ -10,6 +10,7 @@ names another folder, or ``off`` to measure every time. No llama.cpp here.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -80,5 +81,15 @@ def save_costs(identity: dict, costs: dict[int, float]) -> None:
     record = {"identity": identity, "ms_by_size": {str(size): ms for size, ms in sorted(costs.items())}}
     try:
         write_text_atomically(path, json.dumps(record, indent=1))
+        _remove_expired(path.parent)
     except OSError as error:
         logger.debug("could not keep the batch costs in %s: %s", path, error)
+
+
+def _remove_expired(folder: Path) -> None:
+    """Tables past MAX_AGE_DAYS are never read again (a replaced model file, an old llama.cpp)."""
+    oldest = time.time() - MAX_AGE_DAYS * 86400
+    for path in folder.glob("*.json"):
+        with contextlib.suppress(OSError):  # another process may be pruning too
+            if path.stat().st_mtime < oldest:
+                path.unlink()

@@ -54,6 +54,18 @@ def test_stale_unreadable_or_nonsense_files_are_measured_again(cache_dir):
         assert load_costs(IDENTITY, SIZES) is None
 
 
+def test_saving_removes_expired_tables_only(cache_dir):
+    other = {**IDENTITY, "size": 99}
+    save_costs(other, {1: 1.0, 2: 1.0, 3: 1.0})
+    save_costs({**other, "size": 98}, {1: 1.0, 2: 1.0, 3: 1.0})
+    old = time.time() - (MAX_AGE_DAYS + 1) * 86400
+    os.utime(cost_file(other), (old, old))
+    save_costs(IDENTITY, {1: 30.0, 2: 55.5, 3: 70.25})
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted(
+        cost_file(identity).name for identity in (IDENTITY, {**other, "size": 98})
+    )
+
+
 def test_off_keeps_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(COST_CACHE_ENV, "off")
     save_costs(IDENTITY, {1: 30.0})
