@@ -120,11 +120,13 @@ CALIBRATION_DRAFT_SIZES = (1, 2, 3, 4, 5)
 @dataclass
 class CostModel:
     """What decoding costs on this machine, per engine: draft and target batches by size.
-    ``calibrated``: which models ("target", "draft") had the sizes above measured up front."""
+    ``calibrated``: which models ("target", "draft") had the sizes above measured up front;
+    ``kept``: which of them started from a table an earlier process measured (cost_cache)."""
 
     draft: BatchCosts = field(default_factory=BatchCosts)
     verify: BatchCosts = field(default_factory=BatchCosts)
     calibrated: set[str] = field(default_factory=set)
+    kept: set[str] = field(default_factory=set)
 
     def record_draft(self, n_tokens: int, ms: float) -> None:
         self.draft.record(n_tokens, ms)

@@ -241,6 +241,7 @@ def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, 
             "ttft_ms": run.ttft_ms,
             "wall_ms": run.total_ms,
             "e2e_tokens_per_second": stats["n_tokens"] / (run.total_ms / 1000) if run.total_ms > 0 else 0.0,
+            "costs_kept": sorted(engine.costs.kept),  # `auto` started from an earlier run's costs
         }
 
 

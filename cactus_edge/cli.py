@@ -717,6 +717,12 @@ def bench(
         f"Projection (memory-bound hardware): tokens per verifier call / (mean drafted tokens per step x "
         f"c + v), c = {draft_cost_ratio:.2f} (draft/target weight bytes), v = {MEMORY_BOUND_VERIFY_RATIO}.\n"
     )
+    kept = sorted({r["variant"] for r in records if r.get("costs_kept")})
+    if kept:
+        footer += (
+            f"`auto` started from batch costs the cost cache kept (measured by an earlier engine, not "
+            f"in its own first reply) for: {', '.join(kept)}; CACTUS_EDGE_COST_CACHE=off measures them.\n"
+        )
     table = title + markdown_table(summary) + footer
     if profile:
         table += "".join(

@@ -526,26 +526,29 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
     ):
         if model is not None and role not in costs.calibrated:
             costs.calibrated.add(role)
-            for n_tokens, ms in _batch_costs(model, sizes, filler).items():
+            table, was_kept = _batch_costs(model, sizes, filler)
+            if was_kept:
+                costs.kept.add(role)
+            for n_tokens, ms in table.items():
                 record(n_tokens, ms)
 
 
-def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> dict[int, float]:
-    """The costs of these batch sizes kept for this model (cost_cache), if one fresh decode of a
-    single token still costs what they say; else freshly measured ones, kept when every size fitted
-    and the context was short (attention grows with it: a table taken behind a long prompt would
-    overstate every later request's costs)."""
+def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> tuple[dict[int, float], bool]:
+    """(costs by batch size, whether kept): the table kept for this model (cost_cache), if one
+    fresh decode of a single token still costs what it says; else freshly measured costs, kept
+    when every size fitted and the context was short (attention grows with it: a table taken
+    behind a long prompt would overstate every later request's costs)."""
     identity = model.cost_identity()
     if identity is None:
-        return measure_batch_costs(model, sizes, filler)
+        return measure_batch_costs(model, sizes, filler), False
     kept = load_costs(identity, sizes)
     if kept is not None and still_holds(kept, measure_batch_costs(model, [1], filler)):
-        return kept
+        return kept, True
     n_past = model.n_past
     measured = measure_batch_costs(model, sizes, filler)
     if set(sizes) <= set(measured) and n_past <= MAX_KEPT_CONTEXT:
         save_costs(identity, measured)
-    return measured
+    return measured, False
 
 
 def _engine_costs(target: LlamaModel, draft: LlamaModel | None, sizes, repeats: int) -> dict:

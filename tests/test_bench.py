@@ -287,3 +287,23 @@ def test_a_conversation_reuses_its_cached_prefix_across_turns(tiny_pair):
     # Turn two decodes only what follows the first turn's prompt and reply.
     assert second["n_prompt_decoded"] < second["n_prompt_tokens"] - n_first_prompt
     assert 0 < first["ttft_ms"] <= first["wall_ms"]
+
+
+def test_bench_says_when_auto_started_from_costs_kept_by_an_earlier_run(tiny_args, tmp_path, monkeypatch):
+    from cactus_edge import engine as engine_module
+    from cactus_edge.cost_cache import COST_CACHE_ENV
+
+    monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path / "costs"))
+    # The tiny models decode in ~0.1 ms, too noisy for the kept table's drift check (tested apart).
+    monkeypatch.setattr(engine_module, "still_holds", lambda kept, fresh: True)
+    flags = [*["--methods", "none,cactus", "--deltas", "1", "--n-draft", "auto"], *["--limit", "1"]]
+    flags += ["--max-tokens", "6"]
+    runs = {}
+    for name in ("first", "second"):
+        data = run_bench_command(tiny_args, tmp_path / name, *flags)
+        runs[name] = {r["variant"]: r["costs_kept"] for r in data["runs"]}
+    auto = "cactus δ=1 k=auto [model+lookup]"
+    assert runs["first"] == {"none": [], auto: []}
+    assert runs["second"] == {"none": [], auto: ["draft", "target"]}
+    assert "the cost cache kept" not in (tmp_path / "first" / "bench.md").read_text()
+    assert f"not in its own first reply) for: {auto};" in (tmp_path / "second" / "bench.md").read_text()

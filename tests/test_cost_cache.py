@@ -113,6 +113,7 @@ def test_a_second_engine_reuses_the_first_ones_calibration(tiny_pair, cache_dir,
     monkeypatch.setattr(engine_module, "still_holds", lambda kept, fresh: checks.append(fresh) or True)
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=1) as engine:
         first = engine.generate("the water is", CONFIG)
+        assert engine.costs.kept == set()
     assert calls == [CALIBRATION_VERIFY_SIZES, CALIBRATION_DRAFT_SIZES]
     assert first.stats.n_verifier_calls > 1 and len(list(cache_dir.iterdir())) == 2
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=1) as engine:
@@ -120,6 +121,7 @@ def test_a_second_engine_reuses_the_first_ones_calibration(tiny_pair, cache_dir,
         monkeypatch.setattr(engine.costs.verify, "record", lambda n, ms: calibrated.append((n, ms)))
         engine.generate("the fire is", CONFIG)
     assert calls[2:] == [(1,), (1,)] and len(checks) == 2  # one check decode per model, no table
+    assert engine.costs.kept == {"target", "draft"}
     # The second engine starts from exactly what the first measured (before its steps refined it).
     n_sizes = len(CALIBRATION_VERIFY_SIZES)
     assert dict(calibrated[:n_sizes]) == _files(cache_dir)[n_sizes]
