@@ -34,7 +34,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .gguf_info import GGUFInfo, read_gguf
-from .machine import cpu_model_name
+from .machine import cpu_model_name, usable_cpus
 from .sampling import first_non_finite_row
 
 logger = logging.getLogger("cactus_edge.llama")
@@ -154,8 +154,7 @@ if hasattr(os, "register_at_fork"):
 
 def physical_cores() -> int:
     """Physical (not hyper-threaded) cores: llama.cpp decodes fastest with one thread per core."""
-    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    logical = logical or 1
+    logical = usable_cpus()
     try:
         if platform.system() == "Darwin":
             for key in ("hw.perflevel0.physicalcpu", "hw.physicalcpu"):
@@ -275,7 +274,6 @@ class LlamaModel:
         when the file could not be identified."""
         if self._file_identity is None:
             return None
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return {
             **self._file_identity,
             "n_threads": self.n_threads,
@@ -284,7 +282,7 @@ class LlamaModel:
             "llama_cpp": llama_cpp.__version__,
             "build": llama_cpp.llama_print_system_info().decode(errors="replace"),
             "cpu": cpu_model_name(),
-            "usable_cpus": usable,
+            "usable_cpus": usable_cpus(),
         }
 
     def _check_open(self) -> None:

@@ -55,7 +55,7 @@ def load_costs(identity: dict, sizes) -> dict[int, float] | None:
     if path is None:
         return None
     try:
-        if time.time() - path.stat().st_mtime > MAX_AGE_DAYS * 86400:
+        if _expired(path):
             return None
         stored = json.loads(path.read_text(encoding="utf-8"))
         costs = {int(size): float(ms) for size, ms in stored["ms_by_size"].items()}
@@ -86,10 +86,14 @@ def save_costs(identity: dict, costs: dict[int, float]) -> None:
         logger.debug("could not keep the batch costs in %s: %s", path, error)
 
 
+def _expired(path: Path) -> bool:
+    """Whether the table in ``path`` is past MAX_AGE_DAYS (OSError if it is gone)."""
+    return time.time() - path.stat().st_mtime > MAX_AGE_DAYS * 86400
+
+
 def _remove_expired(folder: Path) -> None:
     """Tables past MAX_AGE_DAYS are never read again (a replaced model file, an old llama.cpp)."""
-    oldest = time.time() - MAX_AGE_DAYS * 86400
     for path in folder.glob("*.json"):
         with contextlib.suppress(OSError):  # another process may be pruning too
-            if path.stat().st_mtime < oldest:
+            if _expired(path):
                 path.unlink()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 
@@ -16,3 +17,9 @@ def cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity mask, e.g. under taskset or a container)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return usable or 1
