@@ -264,6 +264,9 @@ class LlamaModel:
         self.tokens: list[int] = []
         self.foreign_tokens: dict[int, int] | None = None
         self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
+        self._grammar_tokenizer = None
+        self._grammar_lock = threading.Lock()
+        self._end_tokens: frozenset[int] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -305,6 +308,7 @@ class LlamaModel:
         return not self._ctx
 
     def close(self) -> None:
+        self._grammar_tokenizer = None  # it points into the vocabulary freed below
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -357,6 +361,27 @@ class LlamaModel:
     def n_ctx_train(self) -> int:
         self._check_open()
         return llama_cpp.llama_model_n_ctx_train(self._model)
+
+    def end_of_generation_tokens(self) -> frozenset[int]:
+        """Every id llama.cpp counts as end of generation (EOS, EOT, <|im_end|>, …); computed once."""
+        if self._end_tokens is None:
+            vocab = self._vocab
+            self._end_tokens = frozenset(
+                t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)
+            )
+        return self._end_tokens
+
+    def grammar_tokenizer(self):
+        """llguidance's tokenizer over this vocabulary, built on first use (about a second for
+        150k tokens) and kept as long as the model: it calls llama.cpp's tokenizer on this
+        vocabulary, so it must not outlive it. Every end-of-generation id is its end of text."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                eog = sorted(self.end_of_generation_tokens()) or [self.eos_token]
+                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=eog)
+            return self._grammar_tokenizer
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Text → token ids. ``add_special`` adds BOS when the GGUF asks for it; ``parse_special``

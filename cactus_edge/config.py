@@ -4,10 +4,13 @@ option parsing and the OpenAI-shaped layer can use it without loading a model li
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from .acceptance import AcceptanceRule, Cactus, KLBudgetRule, make_rule
 from .errors import InvalidSettingError
+from .grammar import grammar_source, parse_json_schema
+from .penalties import Penalties
 from .sampling import SamplingConfig
 
 METHODS = ("cactus", "sps", "tas", "exact", "none")
@@ -27,6 +30,8 @@ DEFAULT_POSTERIOR_ALPHA = 0.3
 DEFAULT_N_CTX = 4096  # tokens of context per model unless asked otherwise
 MAX_DRAFT = 64  # the longest fixed block accepted
 MAX_AUTO_DRAFT = 12  # the longest block `auto` considers
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
 
 
@@ -41,6 +46,9 @@ NUMBER_FIELDS = (
     "kl_budget",
     "posterior_threshold",
     "posterior_alpha",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_penalty",
 )
 
 
@@ -75,8 +83,28 @@ class GenerationConfig:
     # Typical acceptance (method "tas"): accept d iff q(d) > min(threshold, alpha · exp(−H(q))).
     posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD
     posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA
+    # Constraints (SPEC, "Constraints"): at most one of json_schema (a dict or JSON text; kept as
+    # compact JSON text), grammar (Lark, in llguidance's syntax) and regex. grammar_trigger: the
+    # constraint starts once the reply has produced this text (a tool call's opening marker).
+    json_schema: str | None = None
+    grammar: str | None = None
+    regex: str | None = None
+    grammar_trigger: str | None = None
+    # Added to the raw logits before anything else: {token id: bias}, kept as sorted pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's, over generated tokens (in [-2, 2]), and llama.cpp's over the last repeat_last_n
+    # tokens of the context (1 = off; -1 = the whole context).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    # Each emitted token's log-probability under the target's raw logits, and the top
+    # alternatives (0..20).
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        self._normalize_constraints()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
@@ -87,6 +115,15 @@ class GenerationConfig:
             raise
         except (ValueError, TypeError) as error:  # from the numpy-only validators
             raise InvalidSettingError(str(error), param=_field_named_by(error)) from error
+
+    def _normalize_constraints(self) -> None:
+        """Schemas to compact JSON text and bias to sorted pairs, so equal configs compare equal."""
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", parse_json_schema(self.json_schema))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(_bias_pairs(self.logit_bias))))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
 
     def _validate(self) -> None:
         # Every error names its field in ``param``: the OpenAI layer renames it to the request's
@@ -134,12 +171,70 @@ class GenerationConfig:
             raise InvalidSettingError(
                 f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}", param="stop"
             )
+        self._validate_constraints()
         # Building these validates temperature … min_p and delta (whatever the method, so a bad
         # delta is caught before someone switches to cactus).
         _ = self.sampling, self.rule, Cactus(self.delta)
         _ = make_rule(
             "tas", posterior_threshold=self.posterior_threshold, posterior_alpha=self.posterior_alpha
         )
+
+    def _validate_constraints(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise InvalidSettingError(
+                    f"{name} must be in [-2, 2], got {getattr(self, name)!r}", param=name
+                )
+        if not 0.0 < self.repeat_penalty <= 10.0:
+            raise InvalidSettingError(
+                f"repeat_penalty must be in (0, 10] (1 = off), got {self.repeat_penalty!r}",
+                param="repeat_penalty",
+            )
+        if (
+            isinstance(self.repeat_last_n, bool)
+            or not isinstance(self.repeat_last_n, int)
+            or self.repeat_last_n < -1
+        ):
+            raise InvalidSettingError(
+                "repeat_last_n must be an integer >= -1 (-1 = the whole context), "
+                f"got {self.repeat_last_n!r}",
+                param="repeat_last_n",
+            )
+        if not isinstance(self.logprobs, bool):
+            raise InvalidSettingError(f"logprobs must be a boolean, got {self.logprobs!r}", param="logprobs")
+        if (
+            isinstance(self.top_logprobs, bool)
+            or not isinstance(self.top_logprobs, int)
+            or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidSettingError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
+                param="top_logprobs",
+            )
+        _check_bias_pairs(self.logit_bias)
+        if self.grammar_trigger is not None and (
+            not isinstance(self.grammar_trigger, str) or not self.grammar_trigger
+        ):
+            raise InvalidSettingError("grammar_trigger must be a non-empty string", param="grammar_trigger")
+        if self.grammar_trigger is not None and self.grammar_source is None:
+            raise InvalidSettingError("grammar_trigger needs a grammar to start", param="grammar_trigger")
+        _ = self.grammar_source
+
+    @property
+    def grammar_source(self) -> str | None:
+        """llguidance's grammar text for the constraint, None without one (validated, cached)."""
+        return grammar_source(self.json_schema, self.grammar, self.regex)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(
+            self.repeat_penalty, self.repeat_last_n, self.frequency_penalty, self.presence_penalty
+        )
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything changes raw logits before processing (grammar, penalties, bias)."""
+        return bool(self.grammar_source is not None or self.logit_bias or self.penalties.active)
 
     def with_changes(self, **changes) -> GenerationConfig:
         """A copy with some fields changed (validated again)."""
@@ -184,6 +279,41 @@ class GenerationConfig:
     @property
     def uses_model(self) -> bool:
         return needs_draft_model(self.method, self.drafter)
+
+
+def _bias_pairs(bias: Mapping) -> list[tuple[int, float]]:
+    """{token id: bias} with ids given as ints or as decimal strings (JSON object keys)."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key) if not isinstance(key, bool) else None
+        except (TypeError, ValueError):
+            token = None
+        if token is None or (isinstance(key, float) and not key.is_integer()):
+            raise InvalidSettingError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        pairs.append((token, value))
+    return pairs
+
+
+def _check_bias_pairs(pairs) -> None:
+    if not isinstance(pairs, tuple):
+        raise InvalidSettingError(
+            f"logit_bias must map token ids to numbers, got {pairs!r:.80}", param="logit_bias"
+        )
+    for pair in pairs:
+        token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidSettingError(
+                f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
+            )
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+        ):
+            raise InvalidSettingError(
+                f"logit_bias[{token}] must be a number in [-100, 100], got {value!r}", param="logit_bias"
+            )
 
 
 def _field_named_by(error: Exception) -> str | None:

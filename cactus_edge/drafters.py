@@ -51,11 +51,21 @@ class Proposal:
     source: str = "none"
     guess: list[int] = field(default_factory=list)
     lookup_source: str = ""
+    n_forced: int = 0  # leading tokens the grammar forced (point masses, no draft model)
 
     @property
     def label(self) -> str:
-        """What proposed the block, for statistics: "model", "lookup" or "none" (k = 0)."""
-        return self.source.split("/")[0] if self.tokens else "none"
+        """What proposed the block, for statistics: "model", "lookup", "forced" or "none" (k = 0)."""
+        if len(self.tokens) == self.n_forced:
+            return "forced" if self.n_forced else "none"
+        return self.source.split("/")[0]
+
+    def after_forced(self, forced: list[int], vocab_size: int) -> Proposal:
+        """This proposal behind a run of forced tokens (point-mass rows), in one block."""
+        self.tokens = [*forced, *self.tokens]
+        self.rows = [*point_mass_rows(forced, vocab_size), *self.rows]
+        self.n_forced = len(forced)
+        return self
 
 
 @dataclass
@@ -123,9 +133,12 @@ class DraftPlanner:
         return lambda k: self.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
 
     def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
-        """After a verification: update acceptance estimates and judge a probe."""
-        if proposal.tokens:
-            self.tracker(proposal.source).record(tuple(acceptance_probs))
+        """After a verification: update acceptance estimates and judge a probe. Forced positions
+        teach nothing: every rule accepts them (nearly) always, whatever drafted after them."""
+        drafted = tuple(acceptance_probs[proposal.n_forced :])
+        if len(proposal.tokens) > proposal.n_forced:
+            if drafted:
+                self.tracker(proposal.source).record(drafted)
         elif proposal.guess:
             # A plain step with a lookup guess: whether the target's token followed it is free
             # evidence on the guess's first position, the only evidence while k stays 0 (for
@@ -143,11 +156,18 @@ class DraftPlanner:
             probe.tracker.record_probe(paid=next_k > 0)
 
 
-def process_decoded(model, logits: np.ndarray, sampling, row: int | None = None) -> ProbRows:
+def process_decoded(
+    model, logits: np.ndarray, sampling, row: int | None = None, shaper=None, position: int = 0
+) -> ProbRows:
     """Process the rows (n, V) a model's last decode returned for its last n cache positions, or
-    only row ``row`` of them; non-finite logits become an error naming the model and position."""
+    only row ``row`` of them; non-finite logits become an error naming the model and position.
+    With an active :class:`~cactus_edge.constraints.LogitShaper`, the rows are shaped first (bias,
+    penalties, the grammar's mask): the first processed row predicts context index ``position``."""
+    rows = logits if row is None else logits[row]
+    if shaper is not None and shaper.active:
+        rows = shaper.shape(rows, position)
     try:
-        return process_logits(logits if row is None else logits[row], sampling)
+        return process_logits(rows, sampling)
     except NonFiniteLogitsError as error:
         index = error.row if row is None else row
         raise model.non_finite_error(index, model.n_past - len(logits) + index) from None
@@ -168,10 +188,12 @@ class ModelDrafter:
         rng,
         costs: CostModel,
         profile: StepProfiler,
+        shaper=None,
     ):
         self.draft, self.vocab_size = draft, target_vocab_size
         self.sampling, self.p_min = config.sampling, config.p_min
         self.rng, self.costs, self.profile = rng, costs, profile
+        self.shaper = shaper  # follows each drafted token, so row i is shaped after d_<i
 
     def catch_up_length(self, committed: Sequence[int]) -> int:
         """Committed tokens the draft has not been fed, besides the last one."""
@@ -204,7 +226,7 @@ class ModelDrafter:
             logits, elapsed = self._decode(pending, guided)
             decode_ms += elapsed
             n_before = len(tokens)
-            n_followed, n_draft = self._sample_rows(logits, guided, tokens, rows, n_draft)
+            n_followed, n_draft = self._sample_rows(logits, guided, tokens, rows, n_draft, base)
             # The cache must hold committed + drafts only: drop guessed tokens no draft followed.
             keep = base + n_before + n_followed
             if self.draft.n_past > keep:
@@ -224,7 +246,9 @@ class ModelDrafter:
         self.costs.record_draft(len(feed), elapsed)
         return fit_logits_to_vocab(logits, self.vocab_size), elapsed
 
-    def _sample_rows(self, logits, guided, tokens: list, rows: list, n_draft: int) -> tuple[int, int]:
+    def _sample_rows(
+        self, logits, guided, tokens: list, rows: list, n_draft: int, base: int
+    ) -> tuple[int, int]:
         """Sample from the decoded rows in order while the samples follow the guess.
         Returns (how many guessed tokens the drafts followed, the possibly lowered n_draft).
 
@@ -233,9 +257,14 @@ class ModelDrafter:
         alone only when the draft happened to sample an unlikely token, which biases the output
         even under SpS."""
         n_followed = 0
+        shaper = self.shaper
         for index in range(len(guided) + 1):
-            row = widen_row(process_decoded(self.draft, logits, self.sampling, index), self.vocab_size)
+            position = base + len(tokens)
+            processed = process_decoded(self.draft, logits, self.sampling, index, shaper, position)
+            row = widen_row(processed, self.vocab_size)
             token = sample_token(row, self.rng)
+            if shaper is not None:
+                shaper.advance(token)
             self.profile.lap("draft processing")
             tokens.append(token)
             rows.append(row)
@@ -280,20 +309,44 @@ class DraftSourceChooser:
         model: ModelDrafter | None,
         lookup: LookupDrafter,
         profile: StepProfiler,
+        shaper=None,
     ):
         self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
-        self.profile = profile
+        self.profile, self.shaper = profile, shaper
 
     def propose(self, committed: list[int], room: int, horizon: float = 0.0) -> Proposal:
-        """This step's drafts (≤ room tokens); ``horizon``: tokens the reply may still draft for."""
+        """This step's drafts (≤ room tokens); ``horizon``: tokens the reply may still draft for.
+        Under a grammar, the tokens it forces come first (no draft model needed), and the drafts
+        follow them in the same block."""
+        forced = self.forced(room)
+        if not forced:
+            return self.drafted(committed, room, horizon)
+        rest = self.drafted([*committed, *forced], room - len(forced), horizon)
+        return rest.after_forced(forced, self.lookup.vocab_size)
+
+    def forced(self, room: int) -> list[int]:
+        """Up to ``room`` tokens the grammar forces from here, followed by the shaper."""
+        if room == 0 or self.shaper is None or not self.shaper.constrained:
+            return []
+        forced = self.shaper.forced()[:room]
+        for token in forced:
+            self.shaper.advance(token)
+        self.profile.lap("grammar")
+        return forced
+
+    def drafted(self, committed: list[int], room: int, horizon: float) -> Proposal:
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
+        found = self.allowed(found)
         self.profile.lap("lookup")
         if self.name != "model" and found:
             n_draft = self.planner.plan(len(found), lookup_source)
             self.profile.lap("planning")
             if n_draft:
+                if self.shaper is not None:
+                    for token in found[:n_draft]:
+                        self.shaper.advance(token)
                 return self.lookup.propose(found[:n_draft], lookup_source)
         if self.name == "lookup":
             return Proposal(guess=found, lookup_source=lookup_source)
@@ -305,3 +358,18 @@ class DraftSourceChooser:
         proposal = self.model.propose(committed, n_draft, guess, source)
         proposal.lookup_source = lookup_source
         return proposal
+
+    def allowed(self, found: list[int]) -> list[int]:
+        """A lookup continuation cut before its first token the grammar refuses (SPEC). The
+        shaper walks the continuation to test it and comes back: nothing is proposed yet."""
+        shaper = self.shaper
+        if not found or shaper is None or not shaper.constrained:
+            return found
+        n_ok = 0
+        try:
+            while n_ok < len(found) and shaper.allows(found[n_ok]):
+                shaper.advance(found[n_ok])
+                n_ok += 1
+        finally:
+            shaper.rewind(n_ok)
+        return found[:n_ok]

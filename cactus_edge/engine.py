@@ -38,11 +38,14 @@ from .acceptance import step_kl
 from .adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CATCH_UP_HORIZON, CostModel
 from .backend import Detokenizer, LlamaModel, set_verbose
 from .config import DEFAULT_N_CTX, GenerationConfig
+from .constraints import LogitShaper
 from .cost_cache import MAX_KEPT_CONTEXT, load_costs, save_costs, still_holds
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
 from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
 from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
+from .grammar import CompiledGrammars
+from .logprobs import token_logprobs, with_bytes
 from .output import Output
 from .sampling import sample_token
 from .stats import GenerationStats, StepProfiler, StepStats
@@ -172,6 +175,8 @@ class Engine:
         self.prompts = Prompts(target)
         self._guard = _Guard()
         self._life = _Lifecycle()
+        self.grammars = CompiledGrammars(target.grammar_tokenizer, target.vocab_size)
+        self.last_shaper: LogitShaper | None = None  # for check_caches
         self.reset_estimates()
 
     @classmethod
@@ -228,15 +233,15 @@ class Engine:
 
     # --- prompts (never wait for a generation; see the concurrency contract) ---------------------
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The chat template's text for ``messages`` (for display; generation uses token ids)."""
         with self._life.prompt_operation():
-            return self.prompts.render(messages)
+            return self.prompts.render(messages, tools=tools)
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids for a conversation (pasted ``<|im_start|>`` in a message stays text)."""
+    def tokenize_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt ids for a conversation and OpenAI ``tools`` (pasted ``<|im_start|>`` stays text)."""
         with self._life.prompt_operation():
-            return self.prompts.tokenize_chat(messages)
+            return self.prompts.tokenize_chat(messages, tools=tools)
 
     def tokenize_prompt(self, prompt: str | Sequence[int], *, chat: bool = False) -> list[int]:
         """Raw prompt ids; see :meth:`Prompts.tokenize_prompt`."""
@@ -261,10 +266,8 @@ class Engine:
     ) -> GenerationResult:
         return _collect(self.stream_chat(messages, config, **kwargs))
 
-    def stream_chat(
-        self, messages: list[dict[str, str]], config: GenerationConfig | None = None, **kwargs
-    ) -> Iterator[StreamEvent]:
-        return self.stream(self.tokenize_chat(messages), config, **kwargs)
+    def stream_chat(self, messages: list[dict], config=None, *, tools=None, **kwargs) -> Iterator:
+        return self.stream(self.tokenize_chat(messages, tools), config, **kwargs)
 
     def stream(
         self,
@@ -285,9 +288,10 @@ class Engine:
         return self._run(prompt_tokens, config, cancel or threading.Event(), timeout)
 
     def check_request(self, prompt_tokens: Sequence[int], config: GenerationConfig) -> None:
-        """Refuse what cannot run, before a generation takes the engine (InvalidSettingError naming
-        the parameter, or ContextLengthError when the allocated context has no room to reply)."""
+        """Refuse what cannot run before a generation takes the engine: InvalidSettingError naming the
+        parameter (grammars compile here), ContextLengthError when the context has no room to reply."""
         _check_request(config, list(prompt_tokens), self.target, self.draft, self.n_ctx)
+        _check_grammar(self, config)
 
     def _run(self, prompt_tokens, config, cancel, timeout) -> Iterator[StreamEvent]:
         with self._guard.hold(timeout):
@@ -306,7 +310,63 @@ class Engine:
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
         """Problems with the caches, [] when consistent: llama.cpp's position range must equal our
         mirror of each, and each must hold a prefix of ``expected`` (prompt + emitted tokens)."""
-        return _cache_problems({"target": self.target, "draft": self.draft}, expected)
+        return _cache_problems({"target": self.target, "draft": self.draft}, expected, self.last_shaper)
+
+
+def _draft_room(generation: _Generation) -> int:
+    """The longest block that fits the context and the max_tokens budget."""
+    if generation.rule is None or generation.stats.n_verifier_calls == 0:
+        return 0  # the first token comes from the target's prefill alone
+    room_in_context = generation.engine.n_ctx - len(generation.committed)
+    room_in_budget = generation.config.max_tokens - generation.n_generated - 1
+    return max(0, min(generation.config.max_draft, room_in_context, room_in_budget))
+
+
+def _calibrate_once(generation: _Generation) -> None:
+    """`auto`'s batch costs, after the first token, never before it (:func:`calibrate`)."""
+    start = time.perf_counter()
+    calibrate(generation.engine.costs, generation.target, generation.draft, generation.committed[-1])
+    generation.stats.calibration_ms += (time.perf_counter() - start) * 1000
+
+
+def _drafter(generation: _Generation, shaper: LogitShaper | None) -> DraftSourceChooser:
+    """Where a generation's drafts come from: the model (if it uses one) and lookup."""
+    config, costs, profile = generation.config, generation.engine.costs, generation.profile
+    vocab, draft = generation.target.vocab_size, generation.draft
+    model = draft and ModelDrafter(draft, vocab, config, generation.rng, costs, profile, shaper)
+    return DraftSourceChooser(
+        config.drafter, generation.planner, model, LookupDrafter(vocab), profile, shaper
+    )
+
+
+def _logprobs(target: LlamaModel, raw_logits: np.ndarray, emitted: list[int], n_top: int) -> list:
+    """The emitted tokens' logprobs from the target's raw rows (n ≥ len(emitted), V), with bytes."""
+    entries = token_logprobs(raw_logits[: len(emitted)], emitted, n_top)
+    return with_bytes(entries, lambda token: target.token_bytes(token, special=True))
+
+
+def reply_shaper(engine: Engine, prompt_tokens: Sequence[int], config: GenerationConfig) -> LogitShaper:
+    """What changes raw logits for one reply to ``prompt_tokens`` (inactive when nothing does)."""
+    new_matcher, trigger = None, ()
+    source = config.grammar_source
+    if source is not None:
+        grammars, param = engine.grammars, _grammar_param(config)
+        new_matcher = lambda: grammars.matcher(source, param)  # noqa: E731
+        if config.grammar_trigger:
+            trigger = engine.target.tokenize(config.grammar_trigger, add_special=False, parse_special=True)
+    bias = None
+    if config.logit_bias:
+        ids, values = zip(*config.logit_bias, strict=True)
+        bias = (np.array(ids, dtype=np.int64), np.array(values, dtype=np.float32))
+    end_tokens = engine.target.end_of_generation_tokens() if new_matcher else frozenset()
+    return LogitShaper(
+        prompt_tokens,
+        new_matcher=new_matcher,
+        trigger=trigger,
+        bias=bias,
+        penalties=config.penalties,
+        end_tokens=end_tokens,
+    )
 
 
 def load_models(
@@ -340,13 +400,17 @@ def load_models(
 
 
 def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
-    text, tokens = [], []
+    text, tokens, logprobs = [], [], []
     for event in events:
         text.append(event.text)
         if event.token is not None:
             tokens.append(event.token)
+        if event.logprob is not None:
+            logprobs.append(event.logprob)
         if event.finish_reason is not None:
-            return GenerationResult("".join(text), tokens, event.finish_reason, event.stats)
+            return GenerationResult(
+                "".join(text), tokens, event.finish_reason, event.stats, logprobs if logprobs else None
+            )
     raise RuntimeError("stream ended without a final event")  # pragma: no cover
 
 
@@ -369,9 +433,9 @@ class _Generation:
         self.planner = DraftPlanner(config, engine.costs, engine.acceptance)
         self.profile = StepProfiler()
         self.stats.profile_ms = self.profile.ms
-        vocab, costs, profile = self.target.vocab_size, engine.costs, self.profile
-        model = self.draft and ModelDrafter(self.draft, vocab, config, self.rng, costs, profile)
-        self.drafter = DraftSourceChooser(config.drafter, self.planner, model, LookupDrafter(vocab), profile)
+        self.shaper = engine.last_shaper = reply_shaper(engine, prompt_tokens, config)
+        self.drafter = _drafter(self, self.shaper if self.shaper.active else None)
+        self.pending_logprobs: list = []
 
     def events(self) -> Iterator[StreamEvent]:
         try:
@@ -393,12 +457,6 @@ class _Generation:
             model.truncate(_common_prefix(model.tokens, self.committed[:-1]))
         self.stats.n_prompt_decoded = len(self.committed) - self.target.n_past
 
-    def calibrate_once(self) -> None:
-        """`auto`'s batch costs, after the first token, never before it (:func:`calibrate`)."""
-        start = time.perf_counter()
-        calibrate(self.engine.costs, self.target, self.draft, self.committed[-1])
-        self.stats.calibration_ms += (time.perf_counter() - start) * 1000
-
     def decode_loop(self):
         """Steps until a finish; yields the events it hands out, returns the finish reason."""
         while True:
@@ -407,13 +465,14 @@ class _Generation:
             if len(self.committed) > self.engine.n_ctx:
                 return "length"
             if self.stats.n_verifier_calls == 1 and self.config.auto and self.rule is not None:
-                self.calibrate_once()
+                _calibrate_once(self)
             emitted, from_draft = self.step()
-            for token, drafted in zip(emitted, from_draft, strict=True):
+            logprobs = self.pending_logprobs or [None] * len(emitted)
+            for token, drafted, logprob in zip(emitted, from_draft, logprobs, strict=True):
                 self.n_generated += 1
                 if self.target.is_end_of_generation(token):
                     return "stop"
-                ready, hit = self.output.push(token, drafted, self.stats.n_verifier_calls - 1)
+                ready, hit = self.output.push(token, drafted, self.stats.n_verifier_calls - 1, logprob)
                 yield from self.output.shown_events(ready)
                 if hit:
                     return "stop-string"
@@ -424,6 +483,9 @@ class _Generation:
         """The one exit path: each cache keeps at most prompt + shown tokens, and llama.cpp holds
         exactly what our mirror says. Never raises (it runs while an error may propagate)."""
         self.committed = self.committed[: self.n_prompt] + self.output.shown
+        # A failure here shows in check_caches (the shaper's problems); the caches must still settle.
+        with contextlib.suppress(Exception):
+            self.shaper.rewind_to(len(self.committed))
         for model in _models(self.engine):
             try:
                 model.truncate(min(_common_prefix(model.tokens, self.committed), model.n_past))
@@ -432,29 +494,24 @@ class _Generation:
                 with contextlib.suppress(Exception):
                     model.reset()
 
-    def draft_room(self) -> int:
-        """The longest block that fits the context and the max_tokens budget."""
-        if self.rule is None or self.stats.n_verifier_calls == 0:
-            return 0  # the first token comes from the target's prefill alone
-        room_in_context = self.engine.n_ctx - len(self.committed)
-        room_in_budget = self.config.max_tokens - self.n_generated - 1
-        return max(0, min(self.config.max_draft, room_in_context, room_in_budget))
-
     def step(self) -> tuple[list[int], list[bool]]:
         """One verifier call. Returns the emitted tokens and, per token, whether it was a draft."""
         step_start = time.perf_counter()
         self.profile.start()
         horizon = min(self.config.max_tokens - self.n_generated, CATCH_UP_HORIZON)
-        proposal = self.drafter.propose(self.committed, self.draft_room(), horizon)
-        target_rows, verify_ms = self.verify(proposal)
+        proposal = self.drafter.propose(self.committed, _draft_room(self), horizon)
+        target_rows, verify_ms, raw_logits = self.verify(proposal)
         emitted, n_accepted, acceptance_probs, kl = self.decide(proposal, target_rows)
+        if self.config.logprobs:  # from the raw rows, before the next decode overwrites them
+            self.pending_logprobs = _logprobs(self.target, raw_logits, emitted, self.config.top_logprobs)
         self.planner.learn(proposal, acceptance_probs, emitted[0])
         self.profile.lap("planning")
-        self.commit(emitted, n_accepted)
+        self.commit(emitted, n_accepted, len(proposal.tokens))
         self.profile.lap("rollback")
         total_ms = (time.perf_counter() - step_start) * 1000
         n_draft, n_decided = len(proposal.tokens), len(acceptance_probs)
         fields = (n_draft, n_accepted, proposal.draft_ms, verify_ms, total_ms, kl, proposal.label, n_decided)
+        fields += (proposal.n_forced,)
         prefill = self.stats.n_verifier_calls == 0
         self.stats.record(StepStats(*fields), prefill=prefill)
         self.profile.lap("bookkeeping")
@@ -474,9 +531,10 @@ class _Generation:
         self.profile.lap("batch + logits", verify_ms, "verify decode")
         if self.stats.n_verifier_calls:  # the first call is the prompt's prefill, not a verify
             self.engine.costs.record_verify(len(feed), verify_ms)
-        target_rows = process_decoded(self.target, logits, self.sampling)
+        first_position = len(self.committed)  # row 0 predicts the first draft's position
+        target_rows = process_decoded(self.target, logits, self.sampling, None, self.shaper, first_position)
         self.profile.lap("target processing")
-        return target_rows, verify_ms
+        return target_rows, verify_ms, logits
 
     def decide(self, proposal: Proposal, target_rows):
         """(emitted tokens, n_accepted, the rule's acceptance probabilities, mean KL or None)."""
@@ -492,9 +550,12 @@ class _Generation:
         self.profile.lap("kl")
         return emitted, n_accepted, verdict.acceptance_probs, kl
 
-    def commit(self, emitted: list[int], n_accepted: int) -> None:
-        """Append the emitted tokens; cut rejected drafts from both caches."""
+    def commit(self, emitted: list[int], n_accepted: int, n_draft: int) -> None:
+        """Append the emitted tokens; cut rejected drafts from both caches and the shaper (which
+        followed every draft)."""
         base = len(self.committed)
+        self.shaper.rewind(n_draft - n_accepted)
+        self.shaper.advance(emitted[-1])
         self.committed += emitted
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
@@ -591,6 +652,10 @@ def _check_request(
         raise InvalidSettingError("the prompt is empty", param="prompt")
     if any(not 0 <= t < target.vocab_size for t in prompt_tokens):
         raise InvalidSettingError(f"prompt token ids must be in [0, {target.vocab_size})", param="prompt")
+    if any(token >= target.vocab_size for token, _ in config.logit_bias):
+        raise InvalidSettingError(
+            f"logit_bias token ids must be in [0, {target.vocab_size})", param="logit_bias"
+        )
     if len(prompt_tokens) >= n_ctx:
         raise ContextLengthError(
             f"the prompt has {len(prompt_tokens)} tokens but the context holds {n_ctx} "
@@ -598,9 +663,23 @@ def _check_request(
         )
 
 
-def _cache_problems(models: dict[str, LlamaModel | None], expected: Sequence[int] | None) -> list[str]:
-    """Engine.check_caches for the named models (None: no such model)."""
-    problems = []
+def _check_grammar(engine: Engine, config: GenerationConfig) -> None:
+    """Compile the config's grammar against the vocabulary (cached): its errors come before the
+    generation, naming the field."""
+    if config.grammar_source is not None:
+        with engine._life.prompt_operation():
+            engine.grammars.matcher(config.grammar_source, _grammar_param(config))
+
+
+def _grammar_param(config: GenerationConfig) -> str:
+    """The field that holds a config's grammar, for errors."""
+    return next(name for name in ("json_schema", "regex", "grammar") if getattr(config, name) is not None)
+
+
+def _cache_problems(models: dict, expected: Sequence[int] | None, shaper: LogitShaper | None) -> list[str]:
+    """Engine.check_caches for the named models (None: no such model) and the last reply's shaper
+    (its grammar state must follow the reply as the caches do)."""
+    problems = shaper.problems(expected) if expected is not None and shaper is not None else []
     for name, model in models.items():
         if model is None:
             continue

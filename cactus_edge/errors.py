@@ -136,3 +136,8 @@ class EngineClosedError(CactusEdgeError):
     """The engine was closed; its models are freed."""
 
     exit_code = 6
+
+
+class GrammarStateError(CactusEdgeError):
+    """A grammar could not follow the reply (it refused a token, failed a mask, or could not roll
+    back): a bug or a grammar past llguidance's limits, never silently unconstrained output."""

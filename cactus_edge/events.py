@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .logprobs import TokenLogprob
 from .stats import FinishReason, GenerationStats
 
 
@@ -19,6 +20,8 @@ class StreamEvent:
     step: index of the verifier call that produced the token.
     finish_reason: set on the final event only.
     stats: the generation's running statistics (complete on the final event).
+    logprob: with ``logprobs`` on, the token's log-probability under the target's raw logits
+        (and the top alternatives); None otherwise and on the final event.
     """
 
     text: str
@@ -27,6 +30,7 @@ class StreamEvent:
     step: int = 0
     finish_reason: FinishReason | None = None
     stats: GenerationStats | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -35,3 +39,4 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, with ``logprobs`` on

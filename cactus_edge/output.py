@@ -59,7 +59,9 @@ class StopFilter:
 
 
 def _with_text(event: StreamEvent, text: str) -> StreamEvent:
-    return StreamEvent(text, event.token, event.from_draft, event.step, stats=event.stats)
+    return StreamEvent(
+        text, event.token, event.from_draft, event.step, stats=event.stats, logprob=event.logprob
+    )
 
 
 class Output:
@@ -74,9 +76,10 @@ class Output:
         self.stop_filter = StopFilter(stops)
         self.shown: list[int] = []  # generated tokens handed to the consumer
 
-    def push(self, token: int, from_draft: bool, step: int) -> tuple[list[StreamEvent], bool]:
+    def push(self, token: int, from_draft: bool, step: int, logprob=None) -> tuple[list[StreamEvent], bool]:
         """(events ready to hand out, whether a stop string was hit)."""
-        event = StreamEvent(self.detokenizer.add(token), token, from_draft, step, stats=self.stats)
+        text = self.detokenizer.add(token)
+        event = StreamEvent(text, token, from_draft, step, stats=self.stats, logprob=logprob)
         return self.stop_filter.push(event)
 
     def finish(self, finish: str, stopped_by_string: bool) -> tuple[list[StreamEvent], StreamEvent]:

@@ -11,7 +11,7 @@ from typing import Literal
 # or the caller's cancel / close.
 FinishReason = Literal["stop", "length", "stop-string", "cancelled"]
 # What proposed a step's drafts: the draft model, prompt lookup, or nothing (a plain step).
-DraftSource = Literal["model", "lookup", "none"]
+DraftSource = Literal["model", "lookup", "forced", "none"]
 
 
 @dataclass
@@ -26,6 +26,7 @@ class StepStats:
     kl: float | None = None  # mean KL(out ‖ target) over the positions decided this step
     drafter: DraftSource = "model"  # what proposed this block ("none": k = 0)
     n_decided: int = 0  # draft positions the rule judged (accepted ones + the first rejection)
+    n_forced: int = 0  # leading drafts the grammar forced (proposed without a draft model)
 
 
 # Where a step's time goes (``--profile``): the two decodes, and host work by kind.
@@ -38,6 +39,7 @@ PROFILE_PARTS = (
     "acceptance",  # the rule's verify
     "kl",  # the exact per-step KL of lossy rules
     "lookup",  # prompt n-gram search
+    "grammar",  # the tokens a grammar forces (masks are counted where rows are processed)
     "planning",  # draft length choice and what auto learns
     "rollback",  # cutting rejected drafts from the caches
     "bookkeeping",  # everything else inside the step
@@ -84,6 +86,7 @@ class GenerationStats:
     n_verifier_calls: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_forced: int = 0  # accepted draft tokens that the grammar forced (included in n_accepted)
     accepted_by_position: list[int] = field(default_factory=list)
     tried_by_position: list[int] = field(default_factory=list)
     prefill_ms: float = 0.0  # the first step: the prompt's decode and the first token
@@ -149,6 +152,7 @@ class GenerationStats:
         self.n_verifier_calls += 1
         self.n_drafted += step.n_draft
         self.n_accepted += step.n_accepted
+        self.n_forced += min(step.n_forced, step.n_accepted)
         grow = step.n_draft - len(self.tried_by_position)
         if grow > 0:
             self.tried_by_position += [0] * grow

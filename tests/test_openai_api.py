@@ -175,7 +175,6 @@ def test_neutral_values_are_accepted(field, value):
         ("user", "someone"),
         ("metadata", {"k": "v"}),
         ("store", True),
-        ("parallel_tool_calls", True),
         ("service_tier", "auto"),
         ("prediction", {"type": "content", "content": "x"}),
         ("some_future_field", [1, 2]),
@@ -188,6 +187,45 @@ def test_harmless_fields_are_ignored_and_reported(field, value):
     assert request.ignored == (field,)
 
 
+@pytest.mark.parametrize(
+    "body, changes",
+    [
+        (
+            {"presence_penalty": 0.5, "frequency_penalty": -1},
+            {"presence_penalty": 0.5, "frequency_penalty": -1},
+        ),
+        ({"repeat_penalty": 1.1, "repeat_last_n": 32}, {"repeat_penalty": 1.1, "repeat_last_n": 32}),
+        ({"logit_bias": {"50": -100}}, {"logit_bias": {50: -100}}),
+        ({"logprobs": True, "top_logprobs": 2}, {"logprobs": True, "top_logprobs": 2}),
+        ({"logprobs": 0}, {"logprobs": True}),  # completions' count: 0 still returns log-probabilities
+        ({"logprobs": 3}, {"logprobs": True, "top_logprobs": 3}),
+        ({"response_format": {"type": "json_object"}}, {"json_schema": {"type": "object"}}),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "array"}},
+                }
+            },
+            {"json_schema": {"type": "array"}},
+        ),
+        ({"grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+        ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+    ],
+)
+def test_constraints_penalties_and_logprobs_reach_the_config(body, changes):
+    assert parse_request(body).config == GenerationConfig(**changes)
+
+
+def test_tools_with_required_constrain_the_whole_reply_and_auto_after_the_trigger():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    required = parse_request({"tools": tools, "tool_choice": "required"})
+    assert required.tools.names == ("f",) and required.config.grammar and not required.config.grammar_trigger
+    auto = parse_request({"tools": tools})
+    assert auto.config.grammar_trigger == "<tool_call>"
+    assert parse_request({"tools": tools, "tool_choice": "none"}).tools is None
+
+
 # --- parse_request: refused ----------------------------------------------------------------------
 
 
@@ -196,25 +234,13 @@ def test_harmless_fields_are_ignored_and_reported(field, value):
     [
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"repeat_penalty": 1.1}, "repeat_penalty"),
         ({"mirostat_mode": 2}, "mirostat_mode"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
-        ({"logprobs": True}, "logprobs"),
-        ({"logprobs": 0}, "logprobs"),  # completions' count: 0 still returns log-probabilities
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"echo": True}, "echo"),
         ({"suffix": "}"}, "suffix"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy"}}, "audio"),
-        ({"grammar": "root ::= x"}, "grammar"),
         ({"speculative": {"foo": 1}}, "speculative.foo"),
     ],
 )
@@ -254,6 +280,13 @@ def test_meaning_changing_values_are_refused_by_name(body, param):
         ({"n": 0}, "n"),
         ({"n": "1"}, "n"),
         ({"logprobs": "no"}, "logprobs"),
+        ({"logprobs": 9}, "logprobs"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": []}, "tool_choice"),
         ({"top_logprobs": -1}, "top_logprobs"),
         ({"logit_bias": []}, "logit_bias"),
         ({"tools": {}}, "tools"),
@@ -473,7 +506,7 @@ def test_flat_speculative_settings_still_work():
     "settings, error, param",
     [
         ({"n": 2}, UnsupportedParameterError, "n"),
-        ({"logprobs": True}, UnsupportedParameterError, "logprobs"),
+        ({"functions": [{"name": "f"}]}, UnsupportedParameterError, "functions"),
         ({"temperature": "hot"}, InvalidSettingError, "temperature"),
         ({"method": "magic"}, InvalidSettingError, "speculative.method"),
     ],

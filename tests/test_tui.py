@@ -1,5 +1,6 @@
 """The Textual chat, driven with Pilot: a fake engine streams scripted tokens with their origin."""
 
+import io
 import json
 import subprocess
 import sys
@@ -11,19 +12,39 @@ import pytest
 from cactus_edge.config import GenerationConfig
 from cactus_edge.errors import CactusEdgeError, ContextLengthError
 from cactus_edge.events import StreamEvent
-from cactus_edge.stats import GenerationStats
+from cactus_edge.stats import GenerationStats, StepStats
 from cactus_edge.tui import CactusChatApp
 from cactus_edge.tui import conversations as conversations_module
-from cactus_edge.tui.widgets import AssistantMessage, StatusBar, UserMessage
+from cactus_edge.tui.widgets import (
+    AssistantMessage,
+    Reply,
+    StatusBar,
+    UserMessage,
+    calls_saved,
+    fenced_parts,
+)
 
 SCRIPT = [("Hello", False), (" there", True), (",", True), (" friend", False), ("!", True)]
 TEXT = "Hello there, friend!"
+CODE_SCRIPT = [
+    ("Here", False),
+    (" is code:\n\n", True),
+    ("```python\n", True),
+    ("def f(x):\n", False),
+    ("    return", True),
+    (" x + 1\n", False),
+    ("```", True),
+    ("\n\nDone.", False),
+]
 HOLD_TIMEOUT = 5.0  # a held stream nobody cancels fails the test instead of hanging it
 
 
 class FakeEngine:
     """Streams a script of (text, from_draft) pieces; records what it was asked, the cancel event
-    of each stream, and its ``close()`` calls.
+    of each stream, and its ``close()`` calls. Its statistics count verifier calls as the engine
+    does: the prompt's prefill gives the first piece, each later call gives its accepted drafts and
+    then one piece of its own, and a call gives the end-of-generation token (not shown) unless it
+    ends a run of drafts.
 
     With ``hold_after=n`` a stream stops before piece n until ``release`` or its cancel event is
     set (then it ends "cancelled", as the engine does at the end of a step), so a test can act while
@@ -56,11 +77,25 @@ class FakeEngine:
                 yield StreamEvent("", None, finish_reason="cancelled", stats=stats)
                 return
             time.sleep(self.delay)
+            if index == 0 or not self.script[index - 1][1]:  # a call starts, recorded before its tokens
+                self._call(stats, self._drafts_from(index))
             stats.n_tokens += 1
-            stats.n_verifier_calls += 0 if drafted else 1
             yield StreamEvent(text, index, drafted, stats=stats)
+        if not self.script or not self.script[-1][1]:
+            self._call(stats, 0)  # the call whose token is the end of generation
         stats.finish_reason = "stop"
         yield StreamEvent("", None, finish_reason="stop", stats=stats)
+
+    def _drafts_from(self, index):
+        """How many pieces from index on are drafts: the accepted drafts of the call starting there."""
+        ends = [j for j in range(index, len(self.script)) if not self.script[j][1]]
+        return (ends[0] if ends else len(self.script)) - index
+
+    @staticmethod
+    def _call(stats, n_accepted):
+        drafter = "model" if n_accepted else "none"
+        step = StepStats(n_accepted, n_accepted, 0.0, 0.0, 0.0, drafter=drafter, n_decided=n_accepted)
+        stats.record(step, prefill=not stats.steps)
 
     def _hold(self, cancel):
         self.holding.set()
@@ -162,6 +197,97 @@ async def test_acceptance_view_toggles():
         assert not app.screen.query_one("#legend").display
         await pilot.press("ctrl+t")
         assert tokens.display
+
+
+@pytest.mark.parametrize(
+    ("script", "n_draft", "figures"),
+    [
+        # k = 0: the prefill's call and one call per later token, end token included; as plain decoding.
+        ([("Hello", False), (" there", False), ("!", False)], "auto", "k=auto(0) · 0.0 tok/s · AL 0.00"),
+        # 3 calls where plain decoding makes 6 (5 tokens and the end token): 3 accepted drafts saved 3.
+        (SCRIPT, 4, "k=4 · 0.0 tok/s · AL 1.00"),
+    ],
+    ids=["no-drafts", "drafts"],
+)
+async def test_calls_saved_counts_calls_against_plain_decoding(script, n_draft, figures):
+    engine = FakeEngine(script)
+    app = CactusChatApp(lambda: engine, GenerationConfig(method="sps", n_draft=n_draft))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        await say(pilot, "hi")
+        drafted = sum(from_draft for _, from_draft in script)
+        assert app.last_stats.n_verifier_calls == len(script) + 1 - drafted
+        status = str(app.screen.query_one(StatusBar).render())
+        assert status == f"sps · {figures} · calls saved: {drafted}"
+
+
+def test_calls_saved_leaves_out_drafts_accepted_past_the_end():
+    # prefill; a call with 2 accepted drafts; a last call whose 3 accepted drafts are "a <end> c":
+    # 5 tokens shown, and plain decoding would have made 6 calls (the end token's included), not 8.
+    stats = GenerationStats(method="sps")
+    for n_accepted in (0, 2, 3):
+        stats.record(
+            StepStats(n_accepted, n_accepted, 0, 0, 0, n_decided=n_accepted), prefill=not stats.steps
+        )
+    stats.n_tokens = 5
+    assert calls_saved(stats) == 5  # streaming: every accepted draft so far
+    stats.finish_reason = "stop"
+    assert calls_saved(stats) == 3
+
+
+async def test_acceptance_view_shows_fenced_code_as_a_block_with_its_draft_underlines():
+    from textual.geometry import Region
+    from textual.widgets.markdown import MarkdownFence
+
+    app, _ = make_app(FakeEngine(CODE_SCRIPT))
+    async with app.run_test(size=(80, 30)) as pilot:
+        await started(pilot)
+        await say(pilot, "hi")
+        await pilot.pause()
+        message = app.screen.query_one(AssistantMessage)
+        tokens = message.query_one(".tokens")
+        lines = [
+            (strip.text.rstrip(), {s.style.bgcolor for s in strip if s.text.strip()}, strip)
+            for strip in tokens.render_lines(Region(0, 0, tokens.size.width, tokens.size.height))
+        ]
+        assert [text for text, _, _ in lines] == [
+            "Here is code:",
+            "",
+            " def f(x):",
+            "     return x + 1",
+            "",
+            "Done.",
+        ]
+        (prose,), (code,) = lines[0][1], lines[2][1]
+        assert code is not None and code != prose and lines[3][1] == {code}  # one background for the block
+        underlined = [[seg.text for seg in strip if seg.style.underline] for _, _, strip in lines]
+        assert underlined[0] == [" is code:"] and underlined[3] == ["    ", "return"]
+        await pilot.press("ctrl+t")  # the markdown view renders fences itself
+        await pilot.pause()
+        assert len(message.query(MarkdownFence)) == 1
+
+
+def test_a_reply_with_crlf_line_ends_keeps_its_code_block_in_place():
+    from rich.console import Console
+
+    console = Console(width=20, record=True, file=io.StringIO())
+    console.print(Reply([("a\r\n```py\r\nx = 1\r\n", True), ("```\r\nb", False)]).rendered())
+    assert [line.rstrip() for line in console.export_text().splitlines()] == ["a", "", " x = 1", "", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "parts"),
+    [
+        ("no code", [(0, 7, None)]),
+        ("a\n```py\nx\n```\nb", [(0, 2, None), (8, 10, "py"), (14, 15, None)]),
+        ("a\n```\nx", [(0, 2, None), (6, 7, "")]),  # still streaming: the block runs to the end
+        ("~~~~ c\n~~~\n~~~~~\n", [(7, 11, "c")]),  # a shorter fence does not close it
+        ("  ```js\ny\n  ```", [(8, 10, "js")]),  # indented, as in a list item
+        ("say ```x``` and\n```x```", [(0, 23, None)]),  # backticks in the info string: not a fence
+    ],
+)
+def test_fenced_parts(text, parts):
+    assert fenced_parts(text) == parts
 
 
 async def test_stop_mid_reply_keeps_text_and_the_next_turn_works():
@@ -446,9 +572,13 @@ async def test_help_over_a_streaming_reply():
         await assert_conversation(pilot, ("user", "hi"), ("assistant", TEXT))
 
 
-@pytest.mark.parametrize("acceptance_view", [True, False], ids=["acceptance-view", "markdown-view"])
-def test_snapshot_of_a_short_conversation(snap_compare, acceptance_view):
-    app, _ = make_app()
+@pytest.mark.parametrize(
+    ("acceptance_view", "script"),
+    [(True, SCRIPT), (False, SCRIPT), (True, CODE_SCRIPT)],
+    ids=["acceptance-view", "markdown-view", "code-in-the-acceptance-view"],
+)
+def test_snapshot_of_a_short_conversation(snap_compare, acceptance_view, script):
+    app, _ = make_app(FakeEngine(script))
 
     async def run_before(pilot):
         await started(pilot)

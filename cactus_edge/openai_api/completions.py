@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 from ..config import GenerationConfig
 from ..errors import CactusEdgeError, InvalidSettingError
 from ..events import StreamEvent
-from .requests import SPECULATIVE_KEYS, chat_messages, parse_request, with_openai_param
+from .replies import Reply
+from .requests import SPECULATIVE_KEYS, chat_messages, config_for_vocabulary, parse_request, with_openai_param
 from .shapes import MODEL_ALIAS, ResponseShape, Timeline, response_blocks
 
 if TYPE_CHECKING:  # only for annotations: importing .engine would load llama.cpp
@@ -35,14 +36,18 @@ def create_chat_completion(
     """
     moments = _Moments()
     request = parse_request({**_lift_speculative(settings), "stream": stream, "model": model})
+    tools = request.tools.tools if request.tools is not None else None
     try:
-        events = engine.stream_chat(chat_messages(messages), request.config)
+        config = config_for_vocabulary(request, engine) if tools else request.config
+        chat = chat_messages(messages)
+        events = engine.stream_chat(chat, config, tools=tools) if tools else engine.stream_chat(chat, config)
     except InvalidSettingError as error:  # the engine's checks (Engine.check_request)
         raise with_openai_param(error) from error
     shape = ResponseShape.new(chat=True, model=model, include_usage=request.include_usage)
+    reply = Reply(shape, request.tools, config.logprobs)
     if request.stream:
-        return _chunks(events, shape, request.config, moments)
-    return _completion(events, shape, request.config, moments)
+        return _chunks(events, reply, config, moments)
+    return _completion(events, reply, config, moments)
 
 
 def _lift_speculative(settings: dict[str, Any]) -> dict[str, Any]:
@@ -77,29 +82,28 @@ class _Moments:
 
 
 def _completion(
-    events: Iterator[StreamEvent], shape: ResponseShape, config: GenerationConfig, moments: _Moments
+    events: Iterator[StreamEvent], reply: Reply, config: GenerationConfig, moments: _Moments
 ) -> dict:
-    text = []
     with contextlib.closing(events):
         for event in moments.watch(events):
-            text.append(event.text)
             if event.finish_reason is not None:
                 blocks = response_blocks(event.stats, config, moments.timeline())
-                return shape.complete("".join(text), event.finish_reason, blocks)
+                return reply.complete(event, blocks)
+            reply.add_quietly(event)
     raise CactusEdgeError("the engine's stream ended without a final event")
 
 
 def _chunks(
-    events: Iterator[StreamEvent], shape: ResponseShape, config: GenerationConfig, moments: _Moments
+    events: Iterator[StreamEvent], reply: Reply, config: GenerationConfig, moments: _Moments
 ) -> Iterator[dict]:
-    """The server's stream, chunk for chunk: a role chunk, content chunks, the finish chunk with
-    our blocks and, with include_usage, the usage chunk. Closing it ends the generation."""
+    """The server's stream, chunk for chunk: a role chunk, content (or tool-call) chunks, the
+    finish chunk with our blocks and, with include_usage, the usage chunk. Closing it ends the
+    generation."""
     with contextlib.closing(events):
-        yield shape.role_chunk()
+        yield reply.shape.role_chunk()
         for event in moments.watch(events):
-            if event.text:
-                yield shape.text_chunk(event.text)
             if event.finish_reason is not None:
                 blocks = response_blocks(event.stats, config, moments.timeline())
-                yield from shape.final_chunks(event.finish_reason, blocks)
+                yield from reply.finish(event, blocks)
                 return
+            yield from reply.add(event)

@@ -5,20 +5,23 @@ How each request field is treated:
 
 * Used (:data:`SETTINGS`): ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``
   (a string or at most 4 strings), ``max_tokens`` / ``max_completion_tokens`` (either; equal if
-  both), ``stream``, ``stream_options.include_usage``, ``model``, and our extension
-  ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget",
-  "posterior_threshold", "posterior_alpha"}``.
+  both), ``stream``, ``stream_options.include_usage``, ``model``, ``presence_penalty``,
+  ``frequency_penalty``, ``logit_bias``, ``logprobs`` (chat: a boolean; completions: a count,
+  0–5) and ``top_logprobs``, ``response_format`` (``text``, ``json_object`` with an optional
+  ``schema`` as llama-cpp-python takes it, ``json_schema``), ``tools`` / ``tool_choice`` /
+  ``parallel_tool_calls`` (:mod:`cactus_edge.tools`), llama-cpp-python's ``repeat_penalty`` and
+  llama-server's ``repeat_last_n``, our ``grammar`` (Lark, llguidance's syntax) and ``regex``,
+  and our extension ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min",
+  "kl_budget", "posterior_threshold", "posterior_alpha"}``.
 * Accepted at their neutral value only (:data:`NEUTRAL_ONLY`): a field whose other values would
   change what the client gets back, so ignoring them would silently answer a different question:
-  ``n`` (1), ``presence_penalty`` / ``frequency_penalty`` (0), ``logit_bias`` (empty),
-  ``logprobs`` (false), ``top_logprobs`` (0), ``tools`` / ``functions`` (empty), ``tool_choice`` /
-  ``function_call`` ("none"), ``response_format`` ({"type": "text"}), ``modalities`` (["text"]),
+  ``n`` (1), ``functions`` (empty), ``function_call`` ("none"), ``modalities`` (["text"]),
   ``audio`` (absent), completions' ``echo`` (false), ``best_of`` (1), ``suffix`` (""), and
-  llama-cpp-python's ``repeat_penalty`` (1), ``mirostat_mode`` (0), ``grammar`` (absent).
-  Other values raise :class:`~cactus_edge.errors.UnsupportedParameterError`.
+  llama-cpp-python's ``mirostat_mode`` (0). Other values raise
+  :class:`~cactus_edge.errors.UnsupportedParameterError`.
 * Ignored (:data:`IGNORED`, and any other unknown field): ``user``, ``metadata``, ``store``,
-  ``parallel_tool_calls`` (there are never tools), ``service_tier``, ``prediction`` (a latency
-  hint; the output is the same without it), ``prompt_cache_key``, ``safety_identifier``.
+  ``service_tier``, ``prediction`` (a latency hint; the output is the same without it),
+  ``prompt_cache_key``, ``safety_identifier``.
 * ``messages`` (chat, :func:`chat_messages`) and ``prompt`` (completions,
   :func:`completion_prompt`) are read on their own: the caller decides which one it serves.
 
@@ -37,6 +40,7 @@ from typing import Any
 
 from ..config import GenerationConfig
 from ..errors import InvalidSettingError, UnsupportedParameterError
+from ..tools import ToolSetup, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
@@ -53,8 +57,38 @@ SETTINGS = (
     "stream_options",
     "model",
     "speculative",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_penalty",
+    "repeat_last_n",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "grammar",
+    "regex",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 )
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop")  # same name in both
+# Fields with the same name in the request and in GenerationConfig.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repeat_penalty",
+    "repeat_last_n",
+    "logit_bias",
+    "top_logprobs",
+    "grammar",
+    "regex",
+)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for completions' logprobs count
 
 # Keys of the "speculative" extension; each is the GenerationConfig field of the same name.
 SPECULATIVE_KEYS = (
@@ -73,7 +107,6 @@ IGNORED = frozenset(
         "user",
         "metadata",
         "store",
-        "parallel_tool_calls",
         "service_tier",
         "prediction",
         "prompt_cache_key",
@@ -114,33 +147,17 @@ class _Neutral:
 NEUTRAL_ONLY: dict[str, _Neutral] = {
     "n": _Neutral(lambda v: _is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
     "best_of": _Neutral(lambda v: _is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
-    "presence_penalty": _Neutral(_is_number, "a number", lambda v: v == 0, "0"),
-    "frequency_penalty": _Neutral(_is_number, "a number", lambda v: v == 0, "0"),
-    "repeat_penalty": _Neutral(_is_number, "a number", lambda v: v == 1, "1"),
     "mirostat_mode": _Neutral(_is_int, "an integer", lambda v: v == 0, "0"),
-    "logit_bias": _Neutral(lambda v: isinstance(v, dict), "an object", _is_empty, "{}"),
-    # Chat's logprobs is a boolean, completions' a count; `is False` so a count of 0 is refused.
-    "logprobs": _Neutral(
-        lambda v: isinstance(v, bool) or _is_int(v), "a boolean", lambda v: v is False, "false"
-    ),
-    "top_logprobs": _Neutral(lambda v: _is_int(v) and v >= 0, "an integer >= 0", lambda v: v == 0, "0"),
     "echo": _Neutral(lambda v: isinstance(v, bool), "a boolean", lambda v: v is False, "false"),
     "suffix": _Neutral(lambda v: isinstance(v, str), "a string", _is_empty, '""'),
-    "tools": _Neutral(lambda v: isinstance(v, list), "an array", _is_empty, "[]"),
-    "functions": _Neutral(lambda v: isinstance(v, list), "an array", _is_empty, "[]"),
-    "tool_choice": _Neutral(
-        lambda v: isinstance(v, (str, dict)), "a string or an object", lambda v: v == "none", '"none"'
-    ),
+    # OpenAI's deprecated function calling: use tools.
+    "functions": _Neutral(lambda v: isinstance(v, list), "an array", _is_empty, "[] (use tools)"),
     "function_call": _Neutral(
         lambda v: isinstance(v, (str, dict)), "a string or an object", lambda v: v == "none", '"none"'
     ),
-    "response_format": _Neutral(
-        lambda v: isinstance(v, dict), "an object", lambda v: v == {"type": "text"}, '{"type": "text"}'
-    ),
     "modalities": _Neutral(_is_str_list, "an array of strings", lambda v: list(v) == ["text"], '["text"]'),
-    # Any value asks for something we cannot do (audio output, constrained sampling).
+    # Any value asks for something we cannot do (audio output).
     "audio": _Neutral(lambda v: True, "anything", lambda v: False, "null"),
-    "grammar": _Neutral(lambda v: True, "anything", lambda v: False, "null"),
 }
 
 
@@ -185,6 +202,8 @@ class ParsedRequest:
     include_usage: whether a stream should end with a usage chunk (``stream_options``).
     model: the requested model name, or None.
     ignored: top-level fields present in the body and ignored (documented or unknown), sorted.
+    tools: the request's tools (None without any, or with tool_choice "none"); the config then
+        holds the grammar they call for.
     """
 
     config: GenerationConfig
@@ -192,6 +211,7 @@ class ParsedRequest:
     include_usage: bool = False
     model: str | None = None
     ignored: tuple[str, ...] = ()
+    tools: ToolSetup | None = None
 
 
 def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None) -> ParsedRequest:
@@ -206,7 +226,16 @@ def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None)
     present = {key: value for key, value in body.items() if value is not None}  # null = default
     for name in NEUTRAL_ONLY.keys() & present.keys():
         _check_neutral(name, present[name])
+    if "logit_bias" in present and not isinstance(present["logit_bias"], Mapping):
+        raise InvalidSettingError("logit_bias must be an object of token ids to biases", param="logit_bias")
     changes, names = _sampling_changes(present)
+    changes.update(_logprobs_changes(present))
+    changes.update(_response_format_changes(present.get("response_format")))
+    tools = parse_tools(present.get("tools"), present.get("tool_choice"), present.get("parallel_tool_calls"))
+    changes.update(_tool_changes(tools, changes))
+    names.update({"json_schema": "response_format", "grammar_trigger": "tools"})
+    if tools is not None and tools.constrained:
+        names["grammar"] = "tool_choice"
     speculative = _speculative_changes(present.get("speculative"))
     return ParsedRequest(
         config=_configured(base or GenerationConfig(), {**changes, **speculative}, names),
@@ -214,7 +243,83 @@ def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None)
         include_usage=_include_usage(present.get("stream_options")),
         model=_model(present.get("model")),
         ignored=tuple(sorted(present.keys() - set(SETTINGS) - NEUTRAL_ONLY.keys() - {"messages", "prompt"})),
+        tools=tools,
     )
+
+
+def config_for_vocabulary(request: ParsedRequest, engine) -> GenerationConfig:
+    """The request's config with its tool grammar written for the engine's vocabulary: where the
+    call marker (``<tool_call>``) is one token, as in Qwen2.5's, the grammar names that token;
+    elsewhere it spells the marker out."""
+    tools = request.tools
+    marker_ids = engine.target.tokenize(tools.trigger, add_special=False, parse_special=True) if tools else []
+    if tools is None or len(marker_ids) == 1:
+        return request.config
+    grammar = tools.grammar(special_markers=False) if tools.constrained else None
+    grammar = grammar or tools.grammar_after_trigger(special_markers=False)
+    return request.config.with_changes(grammar=grammar)
+
+
+def _logprobs_changes(present: dict[str, Any]) -> dict[str, Any]:
+    """Chat's ``logprobs: true`` (with ``top_logprobs``), or completions' ``logprobs: N`` (0–5:
+    the N most likely tokens at each position)."""
+    value = present.get("logprobs")
+    if value is None or value is False:
+        if present.get("top_logprobs"):
+            raise InvalidSettingError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return {}
+    if value is True:
+        return {"logprobs": True}
+    if _is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS:
+        return {"logprobs": True, "top_logprobs": value}
+    raise InvalidSettingError(
+        f"logprobs must be a boolean (chat) or an integer in [0, {MAX_COMPLETION_LOGPROBS}] "
+        f"(completions), got {value!r}",
+        param="logprobs",
+    )
+
+
+def _response_format_changes(response_format: Any) -> dict[str, Any]:
+    """``{"type": "text"}`` (nothing), ``{"type": "json_object"}`` (any JSON object, or the
+    ``schema`` given beside it, as llama-cpp-python takes it) or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}``."""
+    if response_format is None:
+        return {}
+    if not isinstance(response_format, Mapping) or not isinstance(response_format.get("type"), str):
+        raise InvalidSettingError(
+            f"response_format must be an object with a string 'type', got {response_format!r:.100}",
+            param="response_format",
+        )
+    kind = response_format["type"]
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": response_format.get("schema") or {"type": "object"}}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise InvalidSettingError(
+                "response_format.json_schema must be an object with a 'schema'", param="response_format"
+            )
+        schema = spec.get("schema")
+        return {"json_schema": {"type": "object"} if schema is None else schema}
+    raise InvalidSettingError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )
+
+
+def _tool_changes(tools: ToolSetup | None, changes: dict[str, Any]) -> dict[str, Any]:
+    """The grammar a request's tools call for: the whole reply with "required" or a named tool;
+    with "auto", what follows the trigger once the model starts a call."""
+    if tools is None:
+        return {}
+    for other in ("grammar", "regex"):
+        if changes.get(other) is not None:
+            raise InvalidSettingError(f"{other} cannot be combined with tools", param=other)
+    if tools.constrained:
+        return {"grammar": tools.grammar()}
+    return {"grammar": tools.grammar_after_trigger(), "grammar_trigger": tools.trigger}
 
 
 def _configured(base: GenerationConfig, changes: dict[str, Any], names: dict[str, str]) -> GenerationConfig:

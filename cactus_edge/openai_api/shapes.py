@@ -107,6 +107,7 @@ def _speculative(stats: GenerationStats, config: GenerationConfig) -> dict:
         "verifier_calls": stats.n_verifier_calls,
         "drafted": stats.n_drafted,
         "accepted": stats.n_accepted,
+        "forced": stats.n_forced,
         "draft_length_histogram": {str(k): v for k, v in stats.draft_length_histogram.items()},
         "accepted_by_position": list(stats.accepted_by_position),
         "kl_mean": stats.kl_mean,

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from ..config import GenerationConfig
 from ..errors import CactusEdgeError
 from ..openai_api import ParsedRequest, ResponseShape
+from ..openai_api.replies import Reply
+from ..openai_api.requests import config_for_vocabulary
 from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, from_library_error, quote
 from .exchange import Exchange
 from .parsing import ClientGone, check_declared_length, final_config, parse_body, read_json, tokenize
@@ -64,7 +66,8 @@ class Admission:
             except ShuttingDown:
                 raise busy_error("the server is shutting down", "shutting_down") from None
         shape = ResponseShape.new(chat, request.model or self.settings.model_name, request.include_usage)
-        await respond(exchange, scheduler, job, shape, request.stream, prompt_param)
+        reply = Reply(shape, request.tools, request.config.logprobs)
+        await respond(exchange, scheduler, job, reply, request.stream, prompt_param)
 
     async def _prepare(
         self, exchange: Exchange, engine, chat: bool, ticket: int, arrived: float
@@ -74,8 +77,12 @@ class Admission:
         body = await read_json(exchange, self.settings.max_body_bytes)
         request = parse_body(body, self.settings.base_config)
         check_model(self.settings, request.model)
-        prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots)
-        config = self._fit(engine, request.config, body, prompt, "messages" if chat else "prompt")
+        tools = request.tools.tools if request.tools is not None and chat else None
+        prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots, tools)
+        config = request.config
+        if request.tools is not None:
+            config = config_for_vocabulary(request, engine)
+        config = self._fit(engine, config, body, prompt, "messages" if chat else "prompt")
         return request, Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
 
     def _fit(

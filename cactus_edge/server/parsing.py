@@ -102,7 +102,12 @@ def parse_body(body: Any, base: GenerationConfig):
 
 
 async def tokenize(
-    engine, body: Mapping, chat: bool, default_system: str | None, slots: asyncio.Semaphore
+    engine,
+    body: Mapping,
+    chat: bool,
+    default_system: str | None,
+    slots: asyncio.Semaphore,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """The prompt's token ids, computed in a worker thread while holding one of ``slots``: a long
     prompt takes seconds of CPU, which the running generation needs too."""
@@ -112,7 +117,7 @@ async def tokenize(
         if chat:
             messages = chat_messages(body.get("messages"), default_system)
             async with slots:
-                return await loop.run_in_executor(None, engine.tokenize_chat, messages)
+                return await loop.run_in_executor(None, engine.tokenize_chat, messages, tools)
         prompt = completion_prompt(body.get("prompt"))
         if isinstance(prompt, list):
             return prompt  # token ids: Engine.check_request checks they exist

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from ..events import StreamEvent
-from ..openai_api import ResponseShape, Timeline, response_blocks
+from ..openai_api import Timeline, response_blocks
+from ..openai_api.replies import Reply
 from .errors import HTTPError, from_library_error
 from .exchange import Exchange
 from .scheduler import Job, Scheduler
@@ -29,15 +30,15 @@ def _blocks(event: StreamEvent, job: Job) -> dict:
 
 
 async def respond(
-    exchange: Exchange, scheduler: Scheduler, job: Job, shape: ResponseShape, stream: bool, prompt_param: str
+    exchange: Exchange, scheduler: Scheduler, job: Job, reply: Reply, stream: bool, prompt_param: str
 ) -> None:
     """Send the job's answer; withdraw it from the scheduler unless it ended."""
     watcher = asyncio.ensure_future(_watch_disconnect(exchange, scheduler, job))
     try:
         if stream:
-            await _stream(exchange, job, shape, prompt_param)
+            await _stream(exchange, job, reply, prompt_param)
         else:
-            await _complete(exchange, job, shape, prompt_param)
+            await _complete(exchange, job, reply, prompt_param)
     finally:
         watcher.cancel()
         if not job.done:
@@ -74,22 +75,19 @@ async def _next_event(job: Job, prompt_param: str) -> StreamEvent | None:
     return value
 
 
-async def _complete(exchange: Exchange, job: Job, shape: ResponseShape, prompt_param: str) -> None:
-    text: list[str] = []
+async def _complete(exchange: Exchange, job: Job, reply: Reply, prompt_param: str) -> None:
     while True:
         event = await _next_event(job, prompt_param)
         if event is None:
             return
-        text.append(event.text)
         if event.finish_reason is not None:
             job.done = True
-            await exchange.send_json(
-                200, shape.complete("".join(text), event.finish_reason, _blocks(event, job))
-            )
+            await exchange.send_json(200, reply.complete(event, _blocks(event, job)))
             return
+        reply.add_quietly(event)
 
 
-async def _stream(exchange: Exchange, job: Job, shape: ResponseShape, prompt_param: str) -> None:
+async def _stream(exchange: Exchange, job: Job, reply: Reply, prompt_param: str) -> None:
     # The status is sent with the first event: an error before it (a shutdown while queued, a
     # refused setting) still gets its own status and envelope.
     first = await _next_event(job, prompt_param)
@@ -103,7 +101,7 @@ async def _stream(exchange: Exchange, job: Job, shape: ResponseShape, prompt_par
             ("x-accel-buffering", "no"),
         ],
     )
-    role = shape.role_chunk()
+    role = reply.shape.role_chunk()
     if role is not None:
         await exchange.body(sse_event(role), more=True)
     kind, value = "event", first
@@ -117,13 +115,13 @@ async def _stream(exchange: Exchange, job: Job, shape: ResponseShape, prompt_par
         if kind == "end":
             break
         event: StreamEvent = value
-        if event.text:
-            await exchange.body(sse_event(shape.text_chunk(event.text)), more=True)
         if event.finish_reason is not None:
             job.done = True
-            for chunk in shape.final_chunks(event.finish_reason, _blocks(event, job)):
+            for chunk in reply.finish(event, _blocks(event, job)):
                 await exchange.body(sse_event(chunk), more=True)
             await exchange.body(sse_event("[DONE]"), more=True)
             break
+        for chunk in reply.add(event):
+            await exchange.body(sse_event(chunk), more=True)
         kind, value = await _next(job)
     await exchange.body(b"")

@@ -1,0 +1,215 @@
+"""Grammars that constrain a reply: JSON schemas, Lark grammars and regexes, through llguidance.
+
+llguidance is what llama.cpp, vLLM and SGLang use: it has no required dependencies, compiles a
+grammar against a tokenizer once, and gives a token mask per position, unlimited rollback and the
+tokens a grammar forces (fast-forward tokens, kept canonical). This module imports no llama.cpp:
+the tokenizer it needs comes from :meth:`cactus_edge.backend.LlamaModel.grammar_tokenizer`.
+
+Two stages, so a bad grammar is refused before a request takes a queue place:
+- :func:`grammar_source` turns the request's ``json_schema`` / ``grammar`` / ``regex`` into
+  llguidance's grammar text and validates it without a tokenizer (cached, bounded);
+- :class:`CompiledGrammars` compiles it against one model's tokenizer (cached per engine,
+  bounded, the compile time measured) and hands out a fresh :class:`GrammarMatcher` per reply.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import llguidance
+import numpy as np
+
+from .errors import GrammarStateError, InvalidSettingError
+
+__all__ = [
+    "CompiledGrammars",
+    "GrammarMatcher",
+    "grammar_source",
+    "parse_json_schema",
+    "PARSER_LIMITS",
+]
+
+# llguidance's own resource limits bound a pathological grammar (its lexer fuel and Earley items
+# per mask); these are its defaults, named here so the bound is visible and tested.
+PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=500_000)
+MAX_CACHED_SOURCES = 256
+# Between JSON tokens: nothing, a space, or a newline and some indentation, as llama.cpp's
+# schema grammars allow; unbounded whitespace lets a small model loop on newlines forever.
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,20})?"
+# Unsupported keywords are an error (never silently unconstrained output).
+JSON_OPTIONS = {"lenient": False, "whitespace_pattern": JSON_WHITESPACE}
+MAX_COMPILED_PER_ENGINE = 32
+
+
+def _limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+
+
+def parse_json_schema(schema, param: str = "json_schema") -> str:
+    """A JSON schema as compact JSON text: a dict, or text holding a JSON object (True, or the
+    empty dict: any JSON object). Raises InvalidSettingError naming ``param``."""
+    if schema is True:
+        schema = {"type": "object"}
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise InvalidSettingError(f"{param} is not valid JSON: {error}", param=param) from None
+    if not isinstance(schema, dict):
+        raise InvalidSettingError(
+            f"{param} must be a JSON object (a schema), got {schema!r:.80}", param=param
+        )
+    # Key order is kept: a schema's property order is the order the object is written in.
+    return json.dumps(schema or {"type": "object"}, separators=(",", ":"))
+
+
+def grammar_source(json_schema: str | None, lark: str | None, regex: str | None) -> str | None:
+    """llguidance's grammar text for at most one of the three (None when all are None), checked
+    without a tokenizer. json_schema: compact JSON text (:func:`parse_json_schema`). An invalid or
+    unsupported grammar raises InvalidSettingError naming the field, with llguidance's message."""
+    given = [
+        (name, text) for name, text in (("json_schema", json_schema), ("grammar", lark), ("regex", regex))
+    ]
+    given = [(name, text) for name, text in given if text is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = " and ".join(name for name, _ in given)
+        raise InvalidSettingError(f"give one constraint, not {names}", param=given[1][0])
+    name, text = given[0]
+    if not isinstance(text, str) or not text:
+        raise InvalidSettingError(f"{name} must be a non-empty string", param=name)
+    return _checked_source(name, text)
+
+
+@lru_cache(maxsize=MAX_CACHED_SOURCES)
+def _checked_source(name: str, text: str) -> str:
+    try:
+        if name == "json_schema":
+            source = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
+        elif name == "grammar":
+            source = llguidance.LLMatcher.grammar_from_lark(text)
+        else:
+            source = llguidance.LLMatcher.grammar_from_regex(text)
+    except (ValueError, TypeError) as error:
+        raise InvalidSettingError(f"invalid {name}: {error}", param=name) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, None, limits=_limits())
+    if is_error:
+        raise InvalidSettingError(f"invalid {name}: {_short(messages[0])}", param=name)
+    unsupported = [m for m in messages if "unsupported" in m.lower() or "unknown" in m.lower()]
+    if unsupported:
+        raise InvalidSettingError(f"unsupported {name} feature: {_short(unsupported[0])}", param=name)
+    return source
+
+
+def _short(message: str, limit: int = 400) -> str:
+    message = " ".join(str(message).split())
+    return message if len(message) <= limit else message[: limit - 1] + "…"
+
+
+@dataclass
+class CompileRecord:
+    """How long compiling one grammar against the tokenizer took (ms), for the statistics."""
+
+    compile_ms: float
+    uses: int = 0
+
+
+class CompiledGrammars:
+    """Grammars compiled against one tokenizer, least recently used dropped past
+    MAX_COMPILED_PER_ENGINE. A compiled grammar is a matcher prototype: each reply gets a deep
+    copy (cheap), so compiling is paid once per grammar, not per request."""
+
+    def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer], vocab_size: int) -> None:
+        # The tokenizer is built on first use (about a second for a 150k vocabulary).
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._prototypes: OrderedDict[str, tuple[llguidance.LLMatcher, CompileRecord]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def matcher(self, source: str, param: str = "grammar") -> GrammarMatcher:
+        """A fresh matcher for one reply (nothing consumed)."""
+        with self._lock:
+            entry = self._prototypes.get(source)
+            if entry is None:
+                entry = self._compile(source, param)
+                self._prototypes[source] = entry
+                while len(self._prototypes) > MAX_COMPILED_PER_ENGINE:
+                    self._prototypes.popitem(last=False)
+            self._prototypes.move_to_end(source)
+            prototype, record = entry
+            record.uses += 1
+        return GrammarMatcher(
+            prototype.deep_copy(), self.vocab_size, record.compile_ms if record.uses == 1 else 0
+        )
+
+    def _compile(self, source: str, param: str) -> tuple[llguidance.LLMatcher, CompileRecord]:
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(self._tokenizer(), source, log_level=0, limits=_limits())
+        elapsed = (time.perf_counter() - start) * 1000
+        if matcher.is_error():
+            raise InvalidSettingError(f"invalid {param}: {_short(matcher.get_error())}", param=param)
+        return matcher, CompileRecord(elapsed)
+
+
+class GrammarMatcher:
+    """One reply's grammar state: the tokens it has consumed, the mask of the next position, the
+    tokens it forces next, rollback. Any end-of-generation token of the model counts as the
+    grammar's end of text (the tokenizer was built with all of them as EOS)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, compile_ms: float = 0.0) -> None:
+        self._matcher, self.vocab_size = matcher, vocab_size
+        self.compile_ms = compile_ms
+        self.consumed: list[int] = []
+
+    def allowed(self) -> np.ndarray:
+        """bool (V,): the tokens the grammar allows after the consumed ones."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        self._check()
+        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+
+    def allows(self, token: int) -> bool:
+        return self._matcher.validate_tokens([int(token)]) == 1
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
+        tokens = self._matcher.compute_ff_tokens()
+        self._check()
+        return [int(t) for t in tokens]
+
+    def consume(self, token: int) -> None:
+        if not self._matcher.consume_token(int(token)):
+            raise GrammarStateError(
+                f"the grammar refused token {token} after {len(self.consumed)} tokens: "
+                f"{_short(self._matcher.get_error())}"
+            )
+        self.consumed.append(int(token))
+
+    def rollback(self, n_tokens: int) -> None:
+        if n_tokens <= 0:
+            return
+        if n_tokens > len(self.consumed) or not self._matcher.rollback(n_tokens):
+            raise GrammarStateError(f"the grammar could not roll back {n_tokens} tokens")
+        del self.consumed[-n_tokens:]
+
+    @property
+    def accepting(self) -> bool:
+        return self._matcher.is_accepting()
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.is_stopped()
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise GrammarStateError(f"the grammar failed: {_short(self._matcher.get_error())}")
+
+
+def tokens_allowed(matcher: GrammarMatcher, tokens: Sequence[int]) -> int:
+    """How many of ``tokens`` the grammar accepts in a row from its state (nothing consumed)."""
+    return matcher._matcher.validate_tokens([int(t) for t in tokens])

@@ -1,0 +1,338 @@
+"""Constraints under speculation (SPEC, "Constraints"): grammars, penalties, logit bias, logprobs.
+
+Every check compares the engine with an independent reference: llguidance's own matcher fed the
+context token by token for the mask, a loop over the context for llama.cpp's penalties, a
+log-softmax of the target's logits decoded alone for logprobs.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from cactus_edge import acceptance
+from cactus_edge.backend import LlamaModel
+from cactus_edge.constraints import LogitShaper
+from cactus_edge.drafters import DraftSourceChooser
+from cactus_edge.engine import Engine, GenerationConfig, reply_shaper
+from cactus_edge.errors import InvalidSettingError
+from cactus_edge.penalties import Penalties, apply_penalties
+from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+
+from .first_tokens import pooled_chisquare_pvalue, sample_first_drafted_steps
+from .test_engine import FLIP_MARGIN
+
+PROMPT = "the water is hot and"
+# Lowercase words and spaces: the mask refuses most of the tiny vocabulary (bytes, capitals,
+# digits, punctuation) but leaves many tokens at every position.
+WORDS_REGEX = r"[a-z ]{1,60}"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+# A literal the grammar forces from the first token on, then free words.
+FORCED_LARK = 'start: "the number of people is " /[a-z ]{1,40}/'
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def target_alone(tiny_pair):
+    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
+        yield model
+
+
+@pytest.fixture(autouse=True)
+def empty_caches(engine):
+    engine.clear_caches()
+
+
+def reference_mask(engine, config, reply_tokens) -> np.ndarray:
+    """bool (V,): what llguidance allows after ``reply_tokens``, from a fresh matcher."""
+    matcher = engine.grammars.matcher(config.grammar_source)
+    for token in reply_tokens:
+        matcher.consume(token)
+    return matcher.allowed()
+
+
+def reference_penalties(logits, context, n_prompt, penalties: Penalties) -> np.ndarray:
+    """llama.cpp's llama_sampler_penalties_apply, written out token by token (SPEC)."""
+    out = np.array(logits, dtype=np.float64)
+    window = context[-penalties.repeat_last_n :] if penalties.repeat_last_n > 0 else []
+    for token in set(window):
+        out[token] = (
+            out[token] / penalties.repeat_penalty if out[token] > 0 else out[token] * penalties.repeat_penalty
+        )
+    generated = context[n_prompt:]
+    for token in set(generated):
+        out[token] -= generated.count(token) * penalties.frequency_penalty + penalties.presence_penalty
+    return out
+
+
+# --- penalties and the shaper, alone --------------------------------------------------------------
+
+
+def test_penalties_follow_llama_cpp_semantics():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=50).astype(np.float32)
+    context = [3, 7, 7, 9, 3, 3, 11, 7, 42]
+    penalties = Penalties(repeat_penalty=1.3, repeat_last_n=5, frequency_penalty=0.4, presence_penalty=0.7)
+    shaped = logits.copy()
+    window = np.array(context[-5:])
+    apply_penalties(shaped, window, np.array(context[4:]), penalties)
+    np.testing.assert_allclose(shaped, reference_penalties(logits, context, 4, penalties), rtol=1e-6)
+    assert shaped[0] == logits[0]  # an unseen token is untouched
+
+
+def test_the_shaper_follows_advance_and_rewind_and_its_trigger():
+    """The grammar starts right after its trigger, rewinding before it switches it off again."""
+
+    class Matcher:
+        def __init__(self):
+            self.consumed = []
+
+        def allowed(self):
+            return np.arange(10) < 5
+
+        def consume(self, token):
+            self.consumed.append(token)
+
+        def rollback(self, n):
+            del self.consumed[-n:]
+
+    shaper = LogitShaper([1, 2], new_matcher=Matcher, trigger=[8, 9])
+    for token in (3, 8):
+        shaper.advance(token)
+    assert not shaper.constrained
+    shaper.advance(9)
+    assert shaper.constrained and shaper.grammar_start == 5
+    shaper.advance(4)
+    assert shaper.matcher.consumed == [4]
+    assert np.isinf(shaper.shape(np.zeros(10, dtype=np.float32), 6)[5:]).all()
+    assert not np.isinf(shaper.shape(np.zeros(10, dtype=np.float32), 4)).any()  # before the trigger
+    shaper.rewind(1)
+    assert shaper.matcher.consumed == [] and shaper.constrained
+    shaper.rewind(1)
+    assert not shaper.constrained and shaper.context == [1, 2, 3, 8]
+    assert shaper.problems([1, 2, 3, 8]) == []
+    assert shaper.problems([1, 2, 3]) != []
+
+
+# --- the engine under a grammar --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "constraint", [{"regex": WORDS_REGEX}, {"json_schema": SCHEMA}, {"grammar": FORCED_LARK}], ids=str
+)
+@pytest.mark.parametrize(
+    "method,drafter", [("sps", "model"), ("cactus", "model+lookup"), ("exact", "lookup")]
+)
+def test_greedy_constrained_speculation_equals_greedy_constrained_plain(engine, constraint, method, drafter):
+    settings = {"temperature": 0.0, "max_tokens": 40, **constraint}
+    plain = engine.generate(PROMPT, GenerationConfig(method="none", **settings))
+    engine.clear_caches()
+    spec = engine.generate(PROMPT, GenerationConfig(method=method, drafter=drafter, n_draft=4, **settings))
+    context = engine.tokenize_prompt(PROMPT)
+    if spec.tokens != plain.tokens:  # allowed only at a near-tie of the constrained target
+        index = next(i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens, strict=False)) if a != b)
+        engine.clear_caches()
+        config = GenerationConfig(method="none", **settings)
+        shaper = reply_shaper(engine, context + plain.tokens[:index], config)
+        logits = shaper.shape(
+            engine.target.teacher_forced(context + plain.tokens[:index], [-1])[0], shaper.position
+        )
+        finite = np.sort(logits[np.isfinite(logits)])
+        assert finite[-1] - finite[-2] < FLIP_MARGIN, f"token {index} differs away from a near-tie"
+    mask_ok = [
+        reference_mask(engine, spec_config := GenerationConfig(**constraint), spec.tokens[:i])[t]
+        for i, t in enumerate(spec.tokens)
+    ]
+    assert all(mask_ok), "a token the grammar refuses was emitted"
+    if "json_schema" in constraint and spec.finish_reason == "stop":
+        json.loads(spec.text)
+    assert spec_config.grammar_source is not None
+    assert engine.check_caches(context + spec.tokens) == []
+
+
+def test_forced_tokens_are_proposed_without_the_draft_model(engine, monkeypatch):
+    config = GenerationConfig(
+        method="sps", drafter="model", n_draft=8, temperature=0.0, max_tokens=30, grammar=FORCED_LARK
+    )
+    draft_decodes = []
+    real_decode = engine.draft.decode
+    monkeypatch.setattr(
+        engine.draft, "decode", lambda *a, **k: draft_decodes.append(a[0]) or real_decode(*a, **k)
+    )
+    result = engine.generate(PROMPT, config)
+    assert result.text.startswith("the number of people is ")
+    forced_steps = [s for s in result.stats.steps if s.n_forced]
+    assert forced_steps, "the literal was never proposed as forced tokens"
+    assert result.stats.n_forced >= 4  # the literal is several tokens; only the first is the prefill's
+    # Every forced token is accepted: the constrained target is a point mass on it.
+    assert all(s.n_accepted >= s.n_forced for s in forced_steps)
+    assert forced_steps[0].drafter == "forced" or forced_steps[0].n_draft > forced_steps[0].n_forced
+    assert all(s.draft_ms == 0 for s in forced_steps if s.drafter == "forced")
+    plain = engine.generate(PROMPT, config.with_changes(method="none"))
+    assert (
+        plain.tokens[: len(result.tokens)] == result.tokens[: len(plain.tokens)] or plain.stats.n_forced == 0
+    )
+
+
+def test_a_lookup_proposal_is_cut_before_the_first_token_the_grammar_refuses(engine):
+    config = GenerationConfig(regex=WORDS_REGEX)
+    prompt = engine.tokenize_prompt(PROMPT)
+    shaper = reply_shaper(engine, prompt, config)
+    capital = engine.target.tokenize("X", add_special=False)[-1]
+    words = engine.target.tokenize(" water hot", add_special=False)
+    chooser = DraftSourceChooser("lookup", None, None, None, None, shaper)
+    assert chooser.allowed([*words, capital, *words]) == words
+    assert shaper.context == prompt  # testing it proposed nothing
+
+
+@pytest.mark.statistical
+def test_sps_under_a_grammar_and_penalties_emits_the_constrained_targets_distribution(engine, target_alone):
+    """The second token (the first a step drafts) against the target's row after prompt + [t1],
+    masked by a fresh matcher and penalised by the reference loop: chi-square over 3,000 seeds."""
+    sampling = {"temperature": 1.0, "top_k": 8, "top_p": 1.0}
+    constraint = {
+        "regex": WORDS_REGEX,
+        "presence_penalty": 1.0,
+        "frequency_penalty": 0.5,
+        "repeat_penalty": 1.5,
+    }
+    prompt = engine.tokenize_prompt(PROMPT)
+    steps = sample_first_drafted_steps(
+        engine, prompt, 3000, method="sps", n_draft=3, **sampling, **constraint
+    )
+    assert steps.n_second_step_accepted > 300
+    config = GenerationConfig(**constraint)
+    expected = np.zeros_like(steps.pair_counts, dtype=float)
+    for t1 in np.flatnonzero(steps.first_token_counts):
+        context = [*prompt, int(t1)]
+        target_alone.reset()
+        logits = reference_penalties(target_alone.decode(context)[0], context, len(prompt), config.penalties)
+        logits[~reference_mask(engine, config, [int(t1)])] = -np.inf
+        row = to_dense(process_logits(logits.astype(np.float32), SamplingConfig(**sampling)))
+        expected[t1] = steps.first_token_counts[t1] * row
+    assert steps.pair_counts[expected == 0].sum() == 0, "a second token outside the constrained support"
+    pvalue = pooled_chisquare_pvalue(steps.pair_counts, expected)
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
+
+
+# --- exits ----------------------------------------------------------------------------------------
+
+
+def test_every_exit_leaves_the_grammar_at_the_received_reply(engine, monkeypatch):
+    """Closing inside a block, a stop string, max_tokens, cancel and an exception mid-step: the
+    matcher's consumed tokens equal the reply the consumer received (check_caches)."""
+    config = GenerationConfig(method="sps", n_draft=4, temperature=0.0, max_tokens=30, regex=WORDS_REGEX)
+    prompt = engine.tokenize_prompt(PROMPT)
+    full = engine.generate(PROMPT, config)
+    assert engine.check_caches(prompt + full.tokens) == []
+
+    engine.clear_caches()
+    stream = engine.stream(PROMPT, config)
+    events = [next(stream) for _ in range(3)]
+    stream.close()
+    assert engine.check_caches(prompt + [e.token for e in events]) == []
+
+    engine.clear_caches()
+    stopped = engine.generate(PROMPT, config.with_changes(stop=(full.text[6:9],)))
+    assert engine.check_caches(prompt + stopped.tokens) == []
+
+    engine.clear_caches()
+    short = engine.generate(PROMPT, config.with_changes(max_tokens=7))
+    assert engine.check_caches(prompt + short.tokens) == []
+
+    engine.clear_caches()
+    real_verify = acceptance.SpeculativeSampling.verify
+    calls = []
+
+    def failing_verify(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real_verify(self, *args)
+
+    monkeypatch.setattr(acceptance.SpeculativeSampling, "verify", failing_verify)
+    received = []
+    with pytest.raises(RuntimeError):
+        for event in engine.stream(PROMPT, config):
+            received += [event.token] if event.token is not None else []
+    assert engine.check_caches(prompt + received) == []
+
+
+# --- logprobs --------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_the_targets_raw_log_softmax_for_drafted_tokens_too(engine, target_alone):
+    config = GenerationConfig(
+        method="sps", n_draft=4, temperature=0.0, max_tokens=12, logprobs=True, top_logprobs=3
+    )
+    spec = engine.generate(PROMPT, config)
+    assert sum(s.n_accepted for s in spec.stats.steps) > 0  # some tokens were drafts
+    prompt = engine.tokenize_prompt(PROMPT)
+    logits = target_alone.teacher_forced(
+        prompt + spec.tokens, range(len(prompt) - 1, len(prompt) + len(spec.tokens) - 1)
+    )
+    reference = logits.astype(np.float64) - np.log(
+        np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True)
+    )
+    assert len(spec.logprobs) == len(spec.tokens)
+    for index, (entry, token) in enumerate(zip(spec.logprobs, spec.tokens, strict=True)):
+        assert entry.token == token
+        assert entry.logprob == pytest.approx(reference[index, token], abs=1e-3)
+        top_ids = [t for t, _ in entry.top]
+        assert len(top_ids) == 3 and top_ids[0] == int(np.argmax(reference[index]))
+    engine.clear_caches()
+    plain = engine.generate(PROMPT, config.with_changes(method="none"))
+    if plain.tokens == spec.tokens:
+        np.testing.assert_allclose(
+            [e.logprob for e in plain.logprobs], [e.logprob for e in spec.logprobs], atol=1e-3
+        )
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings,param",
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": {"type": "objectx"}}, "json_schema"),
+        ({"json_schema": {"type": "string", "format": "no-such-format"}}, "json_schema"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"regex": "a", "grammar": 'start: "a"'}, "regex"),
+        ({"grammar_trigger": "<tool_call>"}, "grammar_trigger"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repeat_penalty": 0.0}, "repeat_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {5: 500}}, "logit_bias"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+    ],
+)
+def test_invalid_constraints_name_their_field(settings, param):
+    with pytest.raises(InvalidSettingError) as caught:
+        GenerationConfig(**settings)
+    assert caught.value.param == param
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_before_generating(engine):
+    with pytest.raises(InvalidSettingError, match="logit_bias"):
+        engine.generate(PROMPT, GenerationConfig(logit_bias={10**6: 1.0}))
+
+
+def test_logit_bias_moves_the_greedy_choice(engine):
+    base = engine.generate(PROMPT, GenerationConfig(method="none", temperature=0.0, max_tokens=3))
+    chosen = base.tokens[0] + 1
+    biased = engine.generate(
+        PROMPT, GenerationConfig(method="sps", temperature=0.0, max_tokens=3, logit_bias={chosen: 100})
+    )
+    assert biased.tokens == [chosen] * 3

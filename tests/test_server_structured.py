@@ -1,0 +1,189 @@
+"""Structured output, tool calls, logprobs and penalties as apps reach them: the real `openai`
+client over loopback against `cactus-edge serve` on the tiny pair (random weights: the grammar,
+not the model, makes the answers valid)."""
+
+import json
+
+import openai
+import pydantic
+import pytest
+
+from cactus_edge.engine import Engine
+from cactus_edge.server import ServerSettings, create_server
+
+KEY = "test-key"
+MESSAGES = [{"role": "user", "content": "the water is hot and"}]
+SPEC = {"speculative": {"method": "sps", "n_draft": 3}}
+WAIT = 120
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=6)
+    age: int
+    admin: bool
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    engine = Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512)
+    server = create_server(engine, ServerSettings(port=0, api_key=KEY, model_name="tiny"))
+    server.start()
+    yield server
+    assert server.stop(timeout=WAIT)
+    engine.close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=WAIT, max_retries=0)
+
+
+def test_parse_with_a_pydantic_model(client):
+    completion = client.beta.chat.completions.parse(
+        model="tiny", messages=MESSAGES, response_format=Person, max_tokens=200, seed=0, extra_body=SPEC
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    person = choice.message.parsed
+    assert isinstance(person, Person) and len(person.name) <= 6
+
+
+def test_json_object_is_a_json_object(client):
+    completion = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+        extra_body=SPEC,
+    )
+    text = completion.choices[0].message.content
+    assert text.lstrip().startswith("{")
+    if completion.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_required_or_named_tool_call_always_parses_and_validates(client, tool_choice):
+    completion = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        max_tokens=120,
+        seed=1,
+        extra_body=SPEC,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city"} and len(arguments["city"]) <= 8
+    assert not choice.message.content
+
+
+def test_a_streamed_tool_call_assembles_into_the_same_shape(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        seed=2,
+        stream=True,
+        extra_body=SPEC,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for fragment in delta.tool_calls or []:
+            call = calls.setdefault(fragment.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = fragment.id or call["id"]
+            if fragment.function is not None:
+                call["name"] = fragment.function.name or call["name"]
+                call["arguments"] += fragment.function.arguments or ""
+        assert not delta.content, "tool-call markup leaked into the content"
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert "city" in json.loads(calls[0]["arguments"])
+
+
+def test_a_tool_result_round_trip_renders_and_answers(client):
+    first = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=120, seed=3
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    second = client.chat.completions.create(
+        model="tiny", messages=history, tools=[WEATHER], max_tokens=8, seed=3
+    )
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_logprobs_come_back_in_openais_shape(client):
+    completion = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=SPEC,
+    )
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+
+
+def test_an_invalid_schema_is_a_400_naming_response_format(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        )
+    assert caught.value.body["param"] == "response_format"
+
+
+def test_penalties_are_accepted_and_change_the_output(client):
+    settings = {"model": "tiny", "messages": MESSAGES, "max_tokens": 20, "temperature": 0, "extra_body": SPEC}
+    plain = client.chat.completions.create(**settings).choices[0].message.content
+    penalised = client.chat.completions.create(**settings, frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.choices[0].message.content != plain
