@@ -138,7 +138,7 @@ def _render(
     tools: list[Any] | None = None,
 ) -> str:
     # Without tools the variable stays undefined, as before: templates test `tools is defined`.
-    extra = {}
+    extra = {} if tools is None else {"tools": tools}
     try:
         return _compile(template).render(
             messages=messages,

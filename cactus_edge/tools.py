@@ -373,11 +373,11 @@ def parse_tool_calls(text: str, tool_names: Iterable[str]) -> tuple[str | None, 
     Calls are recognised in the Hermes form (``<tool_call>{json}</tool_call>``, any number,
     anywhere) and in the looser forms Qwen2.5-Coder emits: a fenced JSON block (```` ```json ````
     or a bare fence), a ``<tools>...</tools>`` wrapping, and a bare ``{"name": ...}`` object at the
-    start of the reply (before any other text; calls may precede it). Each object must read ``{"name": "<one of
-    tool_names>", "arguments": {...}}``, "name" first; "arguments" may be a JSON string or be
-    called "parameters", and may be missing (no arguments). A block with anything else in it,
-    an unknown name included, is not a call and stays in the content as written. A closing
-    marker may be missing at the very end of the reply.
+    start of the reply (before any other text; calls may precede it). Each object must read
+    ``{"name": "<one of tool_names>", "arguments": {...}}``, "name" first; "arguments" may be a
+    JSON string or be called "parameters", and may be missing (no arguments). A block with
+    anything else in it, an unknown name included, is not a call and stays in the content as
+    written. A closing marker may be missing at the very end of the reply.
 
     Content is the text around the calls, stripped, or None when nothing else remains.
     """
