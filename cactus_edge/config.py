@@ -231,11 +231,6 @@ class GenerationConfig:
             self.repeat_penalty, self.repeat_last_n, self.frequency_penalty, self.presence_penalty
         )
 
-    @property
-    def shapes_logits(self) -> bool:
-        """Whether anything changes raw logits before processing (grammar, penalties, bias)."""
-        return bool(self.grammar_source is not None or self.logit_bias or self.penalties.active)
-
     def with_changes(self, **changes) -> GenerationConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)

@@ -9,17 +9,15 @@ Two stages, so a bad grammar is refused before a request takes a queue place:
 - :func:`grammar_source` turns the request's ``json_schema`` / ``grammar`` / ``regex`` into
   llguidance's grammar text and validates it without a tokenizer (cached, bounded);
 - :class:`CompiledGrammars` compiles it against one model's tokenizer (cached per engine,
-  bounded, the compile time measured) and hands out a fresh :class:`GrammarMatcher` per reply.
+  bounded) and hands out a fresh :class:`GrammarMatcher` per reply.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 
 import llguidance
@@ -36,7 +34,7 @@ __all__ = [
 ]
 
 # llguidance's own resource limits bound a pathological grammar (its lexer fuel and Earley items
-# per mask); these are its defaults, named here so the bound is visible and tested.
+# per mask); these are its defaults, named here so the bound is visible.
 PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_grammar_size=500_000)
 MAX_CACHED_SOURCES = 256
 # Between JSON tokens: nothing, a space, or a newline and some indentation, as llama.cpp's
@@ -113,14 +111,6 @@ def _short(message: str, limit: int = 400) -> str:
     return message if len(message) <= limit else message[: limit - 1] + "…"
 
 
-@dataclass
-class CompileRecord:
-    """How long compiling one grammar against the tokenizer took (ms), for the statistics."""
-
-    compile_ms: float
-    uses: int = 0
-
-
 class CompiledGrammars:
     """Grammars compiled against one tokenizer, least recently used dropped past
     MAX_COMPILED_PER_ENGINE. A compiled grammar is a matcher prototype: each reply gets a deep
@@ -129,32 +119,26 @@ class CompiledGrammars:
     def __init__(self, tokenizer: Callable[[], llguidance.LLTokenizer], vocab_size: int) -> None:
         # The tokenizer is built on first use (about a second for a 150k vocabulary).
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._prototypes: OrderedDict[str, tuple[llguidance.LLMatcher, CompileRecord]] = OrderedDict()
+        self._prototypes: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
     def matcher(self, source: str, param: str = "grammar") -> GrammarMatcher:
         """A fresh matcher for one reply (nothing consumed)."""
         with self._lock:
-            entry = self._prototypes.get(source)
-            if entry is None:
-                entry = self._compile(source, param)
-                self._prototypes[source] = entry
+            prototype = self._prototypes.get(source)
+            if prototype is None:
+                prototype = self._compile(source, param)
+                self._prototypes[source] = prototype
                 while len(self._prototypes) > MAX_COMPILED_PER_ENGINE:
                     self._prototypes.popitem(last=False)
             self._prototypes.move_to_end(source)
-            prototype, record = entry
-            record.uses += 1
-        return GrammarMatcher(
-            prototype.deep_copy(), self.vocab_size, record.compile_ms if record.uses == 1 else 0
-        )
+        return GrammarMatcher(prototype.deep_copy(), self.vocab_size)
 
-    def _compile(self, source: str, param: str) -> tuple[llguidance.LLMatcher, CompileRecord]:
-        start = time.perf_counter()
+    def _compile(self, source: str, param: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._tokenizer(), source, log_level=0, limits=_limits())
-        elapsed = (time.perf_counter() - start) * 1000
         if matcher.is_error():
             raise InvalidSettingError(f"invalid {param}: {_short(matcher.get_error())}", param=param)
-        return matcher, CompileRecord(elapsed)
+        return matcher
 
 
 class GrammarMatcher:
@@ -162,9 +146,8 @@ class GrammarMatcher:
     tokens it forces next, rollback. Any end-of-generation token of the model counts as the
     grammar's end of text (the tokenizer was built with all of them as EOS)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, compile_ms: float = 0.0) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self._matcher, self.vocab_size = matcher, vocab_size
-        self.compile_ms = compile_ms
         self.consumed: list[int] = []
 
     def allowed(self) -> np.ndarray:
@@ -172,9 +155,6 @@ class GrammarMatcher:
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         self._check()
         return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-
-    def allows(self, token: int) -> bool:
-        return self._matcher.validate_tokens([int(token)]) == 1
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
@@ -197,19 +177,6 @@ class GrammarMatcher:
             raise GrammarStateError(f"the grammar could not roll back {n_tokens} tokens")
         del self.consumed[-n_tokens:]
 
-    @property
-    def accepting(self) -> bool:
-        return self._matcher.is_accepting()
-
-    @property
-    def stopped(self) -> bool:
-        return self._matcher.is_stopped()
-
     def _check(self) -> None:
         if self._matcher.is_error():
             raise GrammarStateError(f"the grammar failed: {_short(self._matcher.get_error())}")
-
-
-def tokens_allowed(matcher: GrammarMatcher, tokens: Sequence[int]) -> int:
-    """How many of ``tokens`` the grammar accepts in a row from its state (nothing consumed)."""
-    return matcher._matcher.validate_tokens([int(t) for t in tokens])

@@ -122,10 +122,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _is_str_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
 
