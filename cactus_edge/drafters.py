@@ -135,11 +135,10 @@ class DraftPlanner:
     def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
         """After a verification: update acceptance estimates and judge a probe. Forced positions
         teach nothing: every rule accepts them (nearly) always, whatever drafted after them."""
-        drafted = tuple(acceptance_probs[proposal.n_forced :])
-        if len(proposal.tokens) > proposal.n_forced:
-            if drafted:
-                self.tracker(proposal.source).record(drafted)
-        elif proposal.guess:
+        drafted = tuple(acceptance_probs[proposal.n_forced :])  # empty: no draft was judged
+        if drafted:
+            self.tracker(proposal.source).record(drafted)
+        elif proposal.guess and not proposal.tokens:
             # A plain step with a lookup guess: whether the target's token followed it is free
             # evidence on the guess's first position, the only evidence while k stays 0 (for
             # lookup drafts, and for a draft model fed the guess, which mostly follows it too).

@@ -336,3 +336,15 @@ def test_logit_bias_moves_the_greedy_choice(engine):
         PROMPT, GenerationConfig(method="sps", temperature=0.0, max_tokens=3, logit_bias={chosen: 100})
     )
     assert biased.tokens == [chosen] * 3
+
+
+def test_a_forced_only_block_teaches_auto_nothing_about_its_lookup_guess():
+    """A block of forced tokens behind which lookup only guessed: its first emitted token is the
+    forced one, not the token the guess was about, so no lookup outcome may be recorded."""
+    from cactus_edge.adaptive import CostModel
+    from cactus_edge.drafters import DraftPlanner, Proposal
+
+    planner = DraftPlanner(GenerationConfig(), CostModel(), {})
+    proposal = Proposal(tokens=[5], rows=[None], n_forced=1, guess=[7], lookup_source="lookup/2")
+    planner.learn(proposal, (1.0,), emitted_first=5)
+    assert planner.trackers == {}
