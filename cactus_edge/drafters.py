@@ -337,16 +337,15 @@ class DraftSourceChooser:
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
-        found = self.allowed(found)
+        found = self.follow(found)
         self.profile.lap("lookup")
         if self.name != "model" and found:
             n_draft = self.planner.plan(len(found), lookup_source)
             self.profile.lap("planning")
             if n_draft:
-                if self.shaper is not None:
-                    for token in found[:n_draft]:
-                        self.shaper.advance(token)
+                self.unfollow(len(found) - n_draft)
                 return self.lookup.propose(found[:n_draft], lookup_source)
+        self.unfollow(len(found))  # the model drafts from committed, or nothing is proposed
         if self.name == "lookup":
             return Proposal(guess=found, lookup_source=lookup_source)
         guess = found[: room - 1]
@@ -358,17 +357,18 @@ class DraftSourceChooser:
         proposal.lookup_source = lookup_source
         return proposal
 
-    def allowed(self, found: list[int]) -> list[int]:
-        """A lookup continuation cut before its first token the grammar refuses (SPEC). The
-        shaper walks the continuation to test it and comes back: nothing is proposed yet."""
-        shaper = self.shaper
-        if not found or shaper is None or not shaper.constrained:
+    def follow(self, found: list[int]) -> list[int]:
+        """A lookup continuation cut before its first token the grammar refuses (SPEC), with the
+        shaper advanced over what is kept: a proposal of it then needs no second walk, and
+        :meth:`unfollow` takes back what is not proposed."""
+        if self.shaper is None:
             return found
         n_ok = 0
-        try:
-            while n_ok < len(found) and shaper.allows(found[n_ok]):
-                shaper.advance(found[n_ok])
-                n_ok += 1
-        finally:
-            shaper.rewind(n_ok)
+        while n_ok < len(found) and self.shaper.allows(found[n_ok]):
+            self.shaper.advance(found[n_ok])
+            n_ok += 1
         return found[:n_ok]
+
+    def unfollow(self, n_tokens: int) -> None:
+        if self.shaper is not None:
+            self.shaper.rewind(n_tokens)

@@ -191,8 +191,10 @@ def test_a_lookup_proposal_is_cut_before_the_first_token_the_grammar_refuses(eng
     capital = engine.target.tokenize("X", add_special=False)[-1]
     words = engine.target.tokenize(" water hot", add_special=False)
     chooser = DraftSourceChooser("lookup", None, None, None, None, shaper)
-    assert chooser.allowed([*words, capital, *words]) == words
-    assert shaper.context == prompt  # testing it proposed nothing
+    assert chooser.follow([*words, capital, *words]) == words
+    assert shaper.context == prompt + words  # the shaper follows what was kept
+    chooser.unfollow(len(words))
+    assert shaper.context == prompt
 
 
 @pytest.mark.statistical
