@@ -164,9 +164,13 @@ class LogitShaper:
         if self.bias is not None:
             apply_bias(row, *self.bias)
         if self.penalties is not None:
-            context = np.asarray(self.context[:position], dtype=np.int64)
-            window = repeat_window(context, position, self.penalties.repeat_last_n)
-            apply_penalties(row, window, context[self.n_prompt :], self.penalties)
+            # Only the window and the reply are read: converting the whole prompt per row would
+            # cost O(context) on every draft and verify row.
+            window = repeat_window(self.context, position, self.penalties.repeat_last_n)
+            generated = self.context[self.n_prompt : position]
+            apply_penalties(
+                row, np.asarray(window, dtype=np.int64), np.asarray(generated, dtype=np.int64), self.penalties
+            )
         mask = self.mask_at(position)
         if mask is not None:
             width = row.shape[-1]

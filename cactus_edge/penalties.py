@@ -7,6 +7,7 @@ tokens of the context, then OpenAI's frequency and presence penalties over the g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,9 +62,9 @@ def apply_penalties(
         logits[ids] -= counts * penalties.frequency_penalty + penalties.presence_penalty
 
 
-def repeat_window(context: np.ndarray, end: int, last_n: int) -> np.ndarray:
+def repeat_window(context: Sequence[int], end: int, last_n: int) -> Sequence[int]:
     """The tokens the repeat penalty counts for the row that predicts context index ``end``:
-    context[end − last_n : end] (last_n −1: the whole context; 0: none)."""
+    context[end − last_n : end] (last_n −1: the whole context; 0: none); a slice of the same type."""
     if last_n == 0:
         return context[:0]
     start = 0 if last_n < 0 else max(0, end - last_n)
