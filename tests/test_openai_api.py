@@ -46,7 +46,7 @@ class FakeEngine:
             n_accepted=1,
         )
 
-    def stream_chat(self, messages, config, cancel=None):
+    def stream_chat(self, messages, config, cancel=None, tools=None):
         if self.refuse is not None:
             raise self.refuse
         self.calls.append((messages, config))
@@ -452,7 +452,7 @@ def test_closing_the_stream_closes_the_engine_stream():
         finally:
             closed.append(True)
 
-    def stream_chat(messages, config, cancel=None):
+    def stream_chat(messages, config, cancel=None, tools=None):
         held.append(events())  # a reference elsewhere: closing must not wait for the collector
         return held[-1]
 

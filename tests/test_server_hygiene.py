@@ -336,7 +336,9 @@ def test_a_full_queue_refuses_before_the_body_is_read(serve, engine):
     gated = GatedEngine(engine)
     server = serve(gated, max_queue=1, body_timeout=60)
     calls = []
-    gated.tokenize_chat = lambda messages: calls.append(messages) or engine.tokenize_chat(messages)
+    gated.tokenize_chat = lambda messages, tools=None: (
+        calls.append(messages) or engine.tokenize_chat(messages, tools)
+    )
     clients = [StreamingClient(server.url, user(f"queued {i}")) for i in range(2)]
     try:
         for client in clients:
@@ -381,14 +383,14 @@ def test_prompts_are_tokenized_one_at_a_time(serve, engine):
     server = serve(gated)
     lock, running, most = threading.Lock(), [0], [0]
 
-    def slow_tokenize(messages):
+    def slow_tokenize(messages, tools=None):
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
         time.sleep(0.2)
         with lock:
             running[0] -= 1
-        return engine.tokenize_chat(messages)
+        return engine.tokenize_chat(messages, tools)
 
     gated.tokenize_chat = slow_tokenize
     clients = [StreamingClient(server.url, user(f"tokenize {i}")) for i in range(4)]

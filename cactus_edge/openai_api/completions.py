@@ -38,9 +38,8 @@ def create_chat_completion(
     request = parse_request({**_lift_speculative(settings), "stream": stream, "model": model})
     tools = request.tools.tools if request.tools is not None else None
     try:
-        config = config_for_vocabulary(request, engine) if tools else request.config
-        chat = chat_messages(messages)
-        events = engine.stream_chat(chat, config, tools=tools) if tools else engine.stream_chat(chat, config)
+        config = config_for_vocabulary(request, engine)
+        events = engine.stream_chat(chat_messages(messages), config, tools=tools)
     except InvalidSettingError as error:  # the engine's checks (Engine.check_request)
         raise with_openai_param(error) from error
     shape = ResponseShape.new(chat=True, model=model, include_usage=request.include_usage)

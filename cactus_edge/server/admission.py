@@ -79,9 +79,7 @@ class Admission:
         check_model(self.settings, request.model)
         tools = request.tools.tools if request.tools is not None and chat else None
         prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots, tools)
-        config = request.config
-        if request.tools is not None:
-            config = config_for_vocabulary(request, engine)
+        config = config_for_vocabulary(request, engine)
         config = self._fit(engine, config, body, prompt, "messages" if chat else "prompt")
         return request, Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
 

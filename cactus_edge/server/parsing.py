@@ -117,8 +117,7 @@ async def tokenize(
         if chat:
             messages = chat_messages(body.get("messages"), default_system)
             async with slots:
-                arguments = (messages, tools) if tools else (messages,)
-                return await loop.run_in_executor(None, engine.tokenize_chat, *arguments)
+                return await loop.run_in_executor(None, engine.tokenize_chat, messages, tools)
         prompt = completion_prompt(body.get("prompt"))
         if isinstance(prompt, list):
             return prompt  # token ids: Engine.check_request checks they exist
