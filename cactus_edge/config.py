@@ -136,11 +136,7 @@ class GenerationConfig:
             raise InvalidSettingError(
                 f"method must be one of {', '.join(METHODS)}, got {self.method!r}", param="method"
             )
-        if self.n_draft != "auto" and (
-            isinstance(self.n_draft, bool)
-            or not isinstance(self.n_draft, int)
-            or not 0 <= self.n_draft <= MAX_DRAFT
-        ):
+        if self.n_draft != "auto" and not _is_int_in(self.n_draft, 0, MAX_DRAFT):
             raise InvalidSettingError(
                 f"n_draft must be 'auto' or an integer in [0, {MAX_DRAFT}], got {self.n_draft!r}",
                 param="n_draft",
@@ -153,13 +149,11 @@ class GenerationConfig:
             raise InvalidSettingError(
                 f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}", param="draft_p_min"
             )
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int_in(self.max_tokens, 1):
             raise InvalidSettingError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
             )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-        ):
+        if self.seed is not None and not _is_int_in(self.seed, 0):
             raise InvalidSettingError(
                 f"seed must be an integer >= 0 or None, got {self.seed!r}", param="seed"
             )
@@ -190,11 +184,7 @@ class GenerationConfig:
                 f"repeat_penalty must be in (0, 10] (1 = off), got {self.repeat_penalty!r}",
                 param="repeat_penalty",
             )
-        if (
-            isinstance(self.repeat_last_n, bool)
-            or not isinstance(self.repeat_last_n, int)
-            or self.repeat_last_n < -1
-        ):
+        if not _is_int_in(self.repeat_last_n, -1):
             raise InvalidSettingError(
                 "repeat_last_n must be an integer >= -1 (-1 = the whole context), "
                 f"got {self.repeat_last_n!r}",
@@ -202,11 +192,7 @@ class GenerationConfig:
             )
         if not isinstance(self.logprobs, bool):
             raise InvalidSettingError(f"logprobs must be a boolean, got {self.logprobs!r}", param="logprobs")
-        if (
-            isinstance(self.top_logprobs, bool)
-            or not isinstance(self.top_logprobs, int)
-            or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
-        ):
+        if not _is_int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS):
             raise InvalidSettingError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
                 param="top_logprobs",
@@ -276,6 +262,14 @@ class GenerationConfig:
         return needs_draft_model(self.method, self.drafter)
 
 
+def _is_int_in(value, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is an integer (a boolean is not, though Python counts it as one) in
+    [low, high] (no upper bound: high None)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return low <= value and (high is None or value <= high)
+
+
 def _bias_pairs(bias: Mapping) -> list[tuple[int, float]]:
     """{token id: bias} with ids given as ints or as decimal strings (JSON object keys)."""
     pairs = []
@@ -297,7 +291,7 @@ def _check_bias_pairs(pairs) -> None:
         )
     for pair in pairs:
         token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        if not _is_int_in(token, 0):
             raise InvalidSettingError(
                 f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
             )

@@ -44,33 +44,6 @@ from ..tools import ToolSetup, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
-SETTINGS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "max_tokens",
-    "max_completion_tokens",
-    "stream",
-    "stream_options",
-    "model",
-    "speculative",
-    "presence_penalty",
-    "frequency_penalty",
-    "repeat_penalty",
-    "repeat_last_n",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "response_format",
-    "grammar",
-    "regex",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-)
 # Fields with the same name in the request and in GenerationConfig.
 SAMPLING_FIELDS = (
     "temperature",
@@ -87,6 +60,21 @@ SAMPLING_FIELDS = (
     "top_logprobs",
     "grammar",
     "regex",
+)
+# Every field this module reads: the above, and those it turns into settings itself.
+SETTINGS = (
+    *SAMPLING_FIELDS,
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "model",
+    "speculative",
+    "logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 )
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for completions' logprobs count
 
