@@ -77,6 +77,25 @@ def tiny_pair(tiny_dir) -> tuple[Path, Path]:
     return draft, target
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    """An engine over the tiny pair (n_ctx 512), one per test module; a module needing another
+    one defines its own ``engine``."""
+    from cactus_edge.engine import Engine
+
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def target_alone(tiny_pair):
+    """The tiny pair's target on its own (n_ctx 512), for reference rows."""
+    from cactus_edge.backend import LlamaModel
+
+    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
+        yield model
+
+
 @pytest.fixture(scope="session")
 def tiny_args(tiny_pair) -> list[str]:
     """CLI flags that select the tiny pair."""

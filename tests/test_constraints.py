@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from cactus_edge import acceptance
-from cactus_edge.backend import LlamaModel
 from cactus_edge.constraints import LogitShaper
 from cactus_edge.drafters import DraftSourceChooser
-from cactus_edge.engine import Engine, GenerationConfig, reply_shaper
+from cactus_edge.engine import GenerationConfig, reply_shaper
 from cactus_edge.errors import InvalidSettingError
 from cactus_edge.penalties import Penalties, apply_penalties
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
@@ -34,18 +33,6 @@ SCHEMA = {
 }
 # A literal the grammar forces from the first token on, then free words.
 FORCED_LARK = 'start: "the number of people is " /[a-z ]{1,40}/'
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def target_alone(tiny_pair):
-    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
-        yield model
 
 
 @pytest.fixture(autouse=True)

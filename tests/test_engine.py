@@ -21,18 +21,6 @@ FLIP_MARGIN = 2e-2
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
-def target_alone(tiny_pair):
-    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
 def draft_alone(tiny_pair):
     with LlamaModel(tiny_pair[0], n_ctx=512) as model:
         yield model

@@ -17,12 +17,6 @@ PROMPT = "the water is hot and"
 GREEDY_BLOCKS = {"method": "sps", "temperature": 0.0, "n_draft": 4, "max_tokens": 40}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
-
-
 @pytest.fixture(autouse=True)
 def empty_caches(engine):
     engine.clear_caches()

@@ -8,7 +8,6 @@ import pytest
 
 from cactus_edge import acceptance, backend, sampling
 from cactus_edge.config import GenerationConfig
-from cactus_edge.engine import Engine
 
 PROMPT = "the water is hot and the water is hot and"
 
@@ -49,12 +48,6 @@ CASES = {
     "cactus k4 model+lookup": {"method": "cactus", "n_draft": 4, "drafter": "model+lookup"},
     "sps k4 greedy": {"method": "sps", "n_draft": 4, "temperature": 0.0},
 }
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
 
 
 def generate_fresh(engine, config):

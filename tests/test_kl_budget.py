@@ -8,7 +8,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from cactus_edge.acceptance import Cactus, KLBudgetRule, TypicalAcceptance, output_distribution, output_kl
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine import GenerationConfig
 from cactus_edge.errors import InvalidSettingError
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
@@ -16,12 +16,6 @@ from .test_acceptance import ALPHA, N_TRIALS, chi_square_pvalue, emitted_first_t
 
 PROMPT = "the water is hot and"
 LOSSY = {"method": "cactus", "delta": 1.0, "n_draft": 4, "temperature": 1.0, "top_k": 6, "top_p": 1.0}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
 
 
 @pytest.mark.statistical

@@ -12,16 +12,10 @@ from click.testing import CliRunner
 
 from cactus_edge.backend import LlamaModel
 from cactus_edge.cli import main
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine import GenerationConfig
 
 PROMPT = "the water is hot and"
 FIXED = {"method": "sps", "drafter": "model", "n_draft": 3, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
-        yield engine
 
 
 @pytest.fixture

@@ -44,13 +44,6 @@ def wait_until(condition, what: str, timeout: float = WAIT) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair):
-    engine = Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
 def server(engine):
     settings = ServerSettings(
         port=0,

@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cactus_edge.engine import Engine
 from cactus_edge.server import Server, ServerSettings, create_server
 from cactus_edge.server.connections import ACCEPT_ERROR, RepeatLimit
 from cactus_edge.server.errors import MESSAGE_LIMIT, QUOTE_LIMIT
@@ -33,13 +32,6 @@ ORIGIN = "http://app.example"
 SLACK = 5.0  # seconds a stalled socket may outlive its timeout
 FAST = {"idle_timeout": 1.0, "header_timeout": 1.5, "body_timeout": 2.0}
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_pair):
-    engine = Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture

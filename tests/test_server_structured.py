@@ -8,7 +8,6 @@ import openai
 import pydantic
 import pytest
 
-from cactus_edge.engine import Engine
 from cactus_edge.server import ServerSettings, create_server
 
 KEY = "test-key"
@@ -42,13 +41,11 @@ TIME = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_pair):
-    engine = Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512)
+def server(engine):
     server = create_server(engine, ServerSettings(port=0, api_key=KEY, model_name="tiny"))
     server.start()
     yield server
     assert server.stop(timeout=WAIT)
-    engine.close()
 
 
 @pytest.fixture
