@@ -142,8 +142,24 @@ class LogitShaper:
         return mask
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces from here ([] when none, or no grammar applies)."""
-        return self.matcher.forced() if self.matcher is not None and self.ended_at is None else []
+        """The tokens the grammar forces from here ([] when none, or no grammar applies): its
+        fast-forward tokens, or else the one token its mask allows here, or, where it allows
+        only end tokens, the first of them (the text must end; which end token the rule decides,
+        as for any draft). llguidance's fast-forward never names an end token."""
+        if self.matcher is None or self.ended:
+            return []
+        run = self.matcher.forced()
+        if run:
+            return run
+        allowed = np.flatnonzero(self.mask_at(self.position))
+        if allowed.size == 1 or (allowed.size and self.end_tokens.issuperset(allowed.tolist())):
+            return [int(allowed[0])]
+        return []
+
+    @property
+    def ended(self) -> bool:
+        """Whether the context holds an end token past the prompt (nothing after it counts)."""
+        return self.ended_at is not None
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` at the current position (always without one)."""

@@ -320,16 +320,22 @@ class DraftSourceChooser:
         forced = self.forced(room)
         if not forced:
             return self.drafted(committed, room, horizon)
+        if self.shaper.ended:  # drafts past the end of the text would never be emitted
+            return Proposal().after_forced(forced, self.lookup.vocab_size)
         rest = self.drafted([*committed, *forced], room - len(forced), horizon)
         return rest.after_forced(forced, self.lookup.vocab_size)
 
     def forced(self, room: int) -> list[int]:
-        """Up to ``room`` tokens the grammar forces from here, followed by the shaper."""
-        if room == 0 or self.shaper is None or not self.shaper.constrained:
-            return []
-        forced = self.shaper.forced()[:room]
-        for token in forced:
-            self.shaper.advance(token)
+        """Up to ``room`` tokens the grammar forces from here, followed by the shaper: run after run
+        (each forced run may end where the next begins), until none is forced or the text ends."""
+        forced: list[int] = []
+        while self.shaper is not None and len(forced) < room:
+            run = self.shaper.forced()[: room - len(forced)]
+            if not run:
+                break
+            for token in run:
+                self.shaper.advance(token)
+            forced += run
         self.profile.lap("grammar")
         return forced
 
