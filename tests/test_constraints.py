@@ -278,11 +278,17 @@ def test_logprobs_are_the_targets_raw_log_softmax_for_drafted_tokens_too(engine,
         np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True)
     )
     assert len(spec.logprobs) == len(spec.tokens)
+    n_ordered = 0
     for index, (entry, token) in enumerate(zip(spec.logprobs, spec.tokens, strict=True)):
         assert entry.token == token
         assert entry.logprob == pytest.approx(reference[index, token], abs=1e-3)
         top_ids = [t for t, _ in entry.top]
-        assert len(top_ids) == 3 and top_ids[0] == int(np.argmax(reference[index]))
+        assert len(top_ids) == 3
+        top_two = np.sort(reference[index])[-2:]
+        if top_two[1] - top_two[0] >= FLIP_MARGIN:  # a near-tie may order differently across CPUs
+            assert top_ids[0] == int(np.argmax(reference[index]))
+            n_ordered += 1
+    assert n_ordered > len(spec.tokens) // 2
     engine.clear_caches()
     plain = engine.generate(PROMPT, config.with_changes(method="none"))
     if plain.tokens == spec.tokens:
