@@ -328,8 +328,10 @@ class DraftSourceChooser:
     def forced(self, room: int) -> list[int]:
         """Up to ``room`` tokens the grammar forces from here, followed by the shaper: run after run
         (each forced run may end where the next begins), until none is forced or the text ends."""
+        if self.shaper is None or room == 0:
+            return []
         forced: list[int] = []
-        while self.shaper is not None and len(forced) < room:
+        while len(forced) < room:
             run = self.shaper.forced()[: room - len(forced)]
             if not run:
                 break
