@@ -128,8 +128,10 @@ class LogitShaper:
     # --- the grammar here ------------------------------------------------------------------------------
 
     def mask_at(self, position: int) -> np.ndarray | None:
-        """bool (V,) of the tokens the grammar allows at ``position`` (≤ the current one), None
-        where no grammar applies. A past position's mask was kept when the context passed it."""
+        """The grammar's verdict at ``position`` (≤ the current one) as an additive mask, float32
+        (V,): 0 where it allows a token, -inf where it refuses one; None where no grammar applies.
+        A past position's mask was kept when the context passed it. Additive, because adding it
+        to a row costs a twentieth of assigning -inf through a boolean index (150k entries)."""
         if self.ended_at is not None and position > self.ended_at:
             return None
         if position in self._masks:
@@ -137,7 +139,10 @@ class LogitShaper:
         if position != self.position:
             # Not kept: the grammar was off there (a mask is kept whenever a token is consumed).
             return None
-        mask = self.matcher.allowed() if self.matcher is not None else None
+        mask = None
+        if self.matcher is not None:
+            with np.errstate(divide="ignore"):  # log(1) = 0 where allowed, log(0) = -inf
+                mask = np.log(self.matcher.allowed().astype(np.float32))
         self._masks[position] = mask
         return mask
 
@@ -151,7 +156,7 @@ class LogitShaper:
         run = self.matcher.forced()
         if run:
             return run
-        allowed = np.flatnonzero(self.mask_at(self.position))
+        allowed = np.flatnonzero(self.mask_at(self.position) == 0)
         if allowed.size == 1 or (allowed.size and self.end_tokens.issuperset(allowed.tolist())):
             return [int(allowed[0])]
         return []
@@ -164,7 +169,7 @@ class LogitShaper:
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` at the current position (always without one)."""
         mask = self.mask_at(self.position)
-        return mask is None or bool(mask[token])
+        return mask is None or mask[token] == 0
 
     # --- shaping rows ----------------------------------------------------------------------------------
 
@@ -190,7 +195,7 @@ class LogitShaper:
         mask = self.mask_at(position)
         if mask is not None:
             width = row.shape[-1]
-            row[~mask[:width]] = -np.inf
+            row += mask[:width]
             if width > mask.shape[0]:
                 row[mask.shape[0] :] = -np.inf
 
