@@ -214,3 +214,15 @@ def test_sample_token_follows_the_row():
     counts = np.bincount([sample_token(probs, rng) for _ in range(20_000)], minlength=4)
     np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.3, 0.2, 0], atol=0.015)
     assert row_prob(probs, 3) == 0.0
+
+
+@pytest.mark.parametrize("first_tie", [0, 4095, 4096, 9000, 151_000])
+@pytest.mark.parametrize("count", [0, 1, 20])
+def test_the_lowest_ids_at_a_tie_are_found_block_by_block(first_tie, count):
+    """_first_equal equals listing every tie and keeping the first ones, wherever they start."""
+    from cactus_edge.sampling import _first_equal
+
+    row = np.arange(151_936, dtype=np.float32)
+    row[first_tie::7] = -np.inf
+    expected = np.flatnonzero(row == -np.inf)[:count]
+    np.testing.assert_array_equal(_first_equal(row, -np.inf, count), expected)
