@@ -115,7 +115,8 @@ def make_variants(
 
 def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ()) -> list[dict]:
     """Prompts as dicts with `prompt` and `category`: the bundled set, or a JSONL/plain-text file
-    (one prompt per line for plain text)."""
+    (one prompt per line for plain text). A JSONL entry's `json_schema`, if any, is kept: its
+    replies are constrained to it."""
     if path is None:
         text = (resources.files("cactus_edge") / "data" / "prompts.jsonl").read_text()
         suffix = ".jsonl"
@@ -128,6 +129,8 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
         try:
             entry = json.loads(line) if suffix == ".jsonl" else {"prompt": line, "category": "user"}
             prompts.append({"category": entry.get("category", "user"), "prompt": entry["prompt"]})
+            if "json_schema" in entry:
+                prompts[-1]["json_schema"] = entry["json_schema"]
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             message = f"{path}, line {number}: not a JSON object with a 'prompt' ({error})"
             raise InvalidSettingError(message, param="prompts") from error
@@ -139,6 +142,10 @@ def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ())
 
 
 CONVERSATION_CATEGORY = "conversation"
+STRUCTURED_CATEGORY = "structured"
+# The kinds of structured prompt: fields taken from a given text, a configuration or data object
+# written from a description, and a tool call's arguments from a request and a signature.
+STRUCTURED_KINDS = ("extraction", "generation", "tool-call")
 
 
 def load_conversations(categories: Sequence[str] = ()) -> list[dict]:
@@ -150,14 +157,23 @@ def load_conversations(categories: Sequence[str] = ()) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def load_structured(categories: Sequence[str] = ()) -> list[dict]:
+    """The bundled structured prompts ({category, kind, id, prompt, json_schema}: the reply is
+    constrained to the schema), unless ``categories`` is given without "structured"."""
+    if categories and STRUCTURED_CATEGORY not in categories:
+        return []
+    text = (resources.files("cactus_edge") / "data" / "structured.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def load_workload(path: str | Path | None = None, categories: Sequence[str] = ()) -> list[dict]:
     """What `bench` runs: the prompts (bundled or from ``path``) and, with the bundled set, the
-    coding conversations, filtered by category."""
-    conversations = load_conversations(categories) if path is None else []
-    singles = [c for c in categories if c != CONVERSATION_CATEGORY]
-    if conversations and categories and not singles:
-        return conversations
-    return load_prompts(path, singles) + conversations
+    structured prompts and the coding conversations, filtered by category."""
+    bundled_only = [] if path is not None else load_structured(categories) + load_conversations(categories)
+    singles = [c for c in categories if c not in (CONVERSATION_CATEGORY, STRUCTURED_CATEGORY)]
+    if bundled_only and categories and not singles:
+        return bundled_only
+    return load_prompts(path, singles) + bundled_only
 
 
 def per_category(prompts: list[dict], n: int) -> list[dict]:
@@ -192,6 +208,7 @@ def run_bench(
         **{**settings, "max_tokens": 8}, method="sps" if engine.draft else "none", n_draft=2
     )
     engine.chat([{"role": "user", "content": "Hello"}], warm)  # load pages, build graphs
+    compile_constraints(engine, prompts, settings)
     records = []
     learnt: dict[str, tuple[CostModel, dict]] = {}
     for index, entry in enumerate(prompts):
@@ -205,6 +222,22 @@ def run_bench(
                     f"first token {record['ttft_ms']:5.0f} ms"
                 )
     return records
+
+
+def entry_settings(entry: dict, settings: dict) -> dict:
+    """The generation settings of a workload entry: ``settings``, constrained to the entry's
+    `json_schema` if it has one (for every variant, plain decoding included)."""
+    return {**settings, "json_schema": entry["json_schema"]} if "json_schema" in entry else settings
+
+
+def compile_constraints(engine: Engine, prompts: list[dict], settings: dict) -> None:
+    """Compile every entry's schema against the vocabulary before anything is timed (the engine
+    caches them): otherwise the first variant to run a schema, plain decoding, would pay for it
+    (and for building the grammar tokenizer) in its first-token time."""
+    for entry in prompts:
+        if "json_schema" in entry:
+            prompt = engine.tokenize_chat([{"role": "user", "content": turns_of(entry)[0]}])
+            engine.check_request(prompt, GenerationConfig(**entry_settings(entry, settings)))
 
 
 def turns_of(entry: dict) -> list[str]:
@@ -228,6 +261,7 @@ def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, 
     prompt i has seed i + 1000·t (a one-turn prompt keeps seed i)."""
     engine.clear_caches()
     turns = turns_of(entry)
+    settings = entry_settings(entry, settings)
     runs = converse(engine, turns, lambda turn: variant.config(seed=index + 1000 * turn, **settings))
     for turn, run in enumerate(runs):
         stats = run.stats.summary()
@@ -236,6 +270,7 @@ def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, 
             "conversation": index,
             "turn": turn,
             "category": entry["category"],
+            "constrained": "json_schema" in settings,
             "variant": variant.label,
             **stats,
             "ttft_ms": run.ttft_ms,
@@ -293,8 +328,23 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "draft_length_histogram": dict(sorted(histogram.items())),
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,
             **_waiting_ratios(runs, plain),
+            **_forced_share(runs),
         }
     return summary
+
+
+def _forced_share(runs: list[dict]) -> dict:
+    """Over the replies constrained by a schema: how many, their tokens, the tokens the grammar
+    forced (proposed without a draft model, accepted) and their share (None: no such reply)."""
+    constrained = [r for r in runs if r.get("constrained")]
+    n_tokens = sum(r["n_tokens"] for r in constrained)
+    n_forced = sum(r.get("n_forced", 0) for r in constrained)
+    return {
+        "n_constrained_replies": len(constrained),
+        "n_constrained_tokens": n_tokens,
+        "n_forced": n_forced,
+        "forced_share": n_forced / n_tokens if n_tokens else None,
+    }
 
 
 def _waiting_ratios(runs: list[dict], plain: dict) -> dict:
@@ -374,6 +424,26 @@ def markdown_table(summary: dict[str, dict]) -> str:
             f"{lengths} | {projected} | {_waiting_cells(s)} |"
         )
     return header + "\n".join(lines) + "\n"
+
+
+def forced_tokens_table(summary: dict[str, dict]) -> str:
+    """The share of forced tokens per variant over the replies constrained by a schema (the
+    structured category), as markdown; empty when no reply was constrained."""
+    rows = [(label, s) for label, s in summary.items() if s.get("n_constrained_replies")]
+    if not rows:
+        return ""
+    lines = [
+        "\nReplies constrained by a JSON schema: tokens the grammar forced (proposed without a draft "
+        "model and accepted; plain decoding drafts nothing, so it counts none)\n",
+        "| method | constrained replies | tokens | forced tokens | forced share |",
+        "|---|---|---|---|---|",
+    ]
+    for label, s in rows:
+        lines.append(
+            f"| {label} | {s['n_constrained_replies']} | {s['n_constrained_tokens']} | {s['n_forced']} | "
+            f"{100 * s['forced_share']:.1f}% |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _waiting_cells(entry: dict) -> str:

@@ -256,7 +256,7 @@ def test_budgeted_variants_stay_off_the_frontier(tmp_path):
 
 
 def test_the_bundled_coding_conversations():
-    from cactus_edge.bench import load_conversations, load_workload
+    from cactus_edge.bench import load_conversations, load_structured, load_workload
 
     conversations = load_conversations()
     assert len(conversations) >= 8 and len({c["language"] for c in conversations}) >= 3
@@ -269,7 +269,7 @@ def test_the_bundled_coding_conversations():
         assert code_before or any(w in conversation["turns"][0].lower() for w in ("write",))
     assert load_workload(categories=["conversation"]) == conversations
     assert {e["category"] for e in load_workload(categories=["math"])} == {"math"}
-    assert len(load_workload()) == len(load_prompts()) + len(conversations)
+    assert len(load_workload()) == len(load_prompts()) + len(load_structured()) + len(conversations)
 
 
 def test_a_conversation_reuses_its_cached_prefix_across_turns(tiny_pair):
@@ -307,3 +307,309 @@ def test_bench_says_when_auto_started_from_costs_kept_by_an_earlier_run(tiny_arg
     assert runs["second"] == {"none": [], auto: ["draft", "target"]}
     assert "the cost cache kept" not in (tmp_path / "first" / "bench.md").read_text()
     assert f"not in its own first reply) for: {auto};" in (tmp_path / "second" / "bench.md").read_text()
+
+
+# --- the structured category: prompts whose replies a JSON schema constrains ----------------------
+
+# A right answer to each bundled structured prompt, keys in schema order (llguidance writes an
+# object's properties in the order its schema lists them), optional fields both used and left out.
+EXAMPLE_ANSWERS = {
+    "invoice": {
+        "invoice_number": "INV-2041",
+        "issue_date": "2026-03-14",
+        "seller": {"name": "Northwind Supplies Ltd", "email": "billing@northwind.example"},
+        "buyer": {"name": "Bluebird Cafe"},
+        "currency": "EUR",
+        "line_items": [
+            {"description": "house-blend coffee beans", "quantity": 3, "unit_price": 18.5},
+            {"description": "paper filters", "quantity": 2, "unit_price": 4.25},
+            {"description": "milk frother", "quantity": 1, "unit_price": 39.99},
+        ],
+        "tax_rate_percent": 7,
+        "paid": True,
+        "notes": "paid in full by card",
+    },
+    "person": {
+        "name": "Priya Raman",
+        "role": "backend engineer",
+        "seniority": "senior",
+        "years_of_experience": 9,
+        "company": "Lumen Analytics",
+        "email": "priya.raman@lumen.example",
+        "languages": ["Go", "Python", "Rust"],
+        "remote": True,
+        "location": {"city": "Lisbon", "country": "Portugal"},
+    },
+    "bug-report": {
+        "title": "CSV export crashes on cells containing a newline",
+        "component": "exporter",
+        "severity": "high",
+        "regression": True,
+        "users_affected": 40,
+        "affected_version": "2.4.0",
+        "last_working_version": "2.3.1",
+        "steps_to_reproduce": ["Create a project", "Add a note with two lines", "Click Export > CSV"],
+        "expected": "A CSV file with the note quoted",
+        "actual": "UnicodeEncodeError, nothing written",
+        "environment": {"os": "Windows 11", "python_version": "3.12"},
+        "workaround": "Remove the newlines before exporting",
+    },
+    "compose-services": {
+        "project": "webapp",
+        "production": False,
+        "services": [
+            {
+                "name": "api",
+                "build": "./api",
+                "ports": [{"host": 8000, "container": 8000}],
+                "environment": [
+                    {"name": "DATABASE_URL", "value": "postgresql://app:app@db:5432/app"},
+                    {"name": "REDIS_URL", "value": "redis://cache:6379/0"},
+                ],
+                "depends_on": ["db", "cache"],
+                "restart": "unless-stopped",
+            },
+            {
+                "name": "db",
+                "image": "postgres:16",
+                "ports": [],
+                "environment": [{"name": "POSTGRES_PASSWORD", "value": "app"}],
+                "depends_on": [],
+                "restart": "always",
+                "healthcheck": {"command": "pg_isready -U app", "interval_seconds": 10, "retries": 5},
+            },
+            {
+                "name": "cache",
+                "image": "redis:7",
+                "ports": [],
+                "environment": [],
+                "depends_on": [],
+                "restart": "always",
+            },
+        ],
+    },
+    "package-manifest": {
+        "name": "csvtidy",
+        "version": "0.3.1",
+        "description": "Clean CSV files from the command line",
+        "license": "MIT",
+        "requires_python": ">=3.10",
+        "dependencies": [
+            {"name": "click", "specifier": ">=8", "optional": False},
+            {"name": "chardet", "specifier": "", "optional": True},
+        ],
+        "scripts": [{"name": "csvtidy", "entry_point": "csvtidy.cli:main"}],
+        "lint": {"line_length": 100, "strict": True},
+        "private": False,
+    },
+    "test-fixtures": {
+        "fixtures": [
+            {
+                "id": 1,
+                "username": "free_ok",
+                "email": "free@example.com",
+                "age": 30,
+                "plan": "free",
+                "email_verified": True,
+                "expected": "accepted",
+            },
+            {
+                "id": 2,
+                "username": "pro_ok",
+                "email": "pro@example.com",
+                "age": 41,
+                "plan": "pro",
+                "email_verified": True,
+                "expected": "accepted",
+            },
+            {
+                "id": 3,
+                "username": "no_at",
+                "email": "no-at.example.com",
+                "age": 25,
+                "plan": "free",
+                "email_verified": False,
+                "expected": "rejected",
+                "reason": "the email has no @",
+            },
+            {
+                "id": 4,
+                "username": "too_young",
+                "email": "kid@example.com",
+                "age": 12,
+                "plan": "free",
+                "email_verified": False,
+                "expected": "rejected",
+                "reason": "younger than 13",
+            },
+        ]
+    },
+    "search-code": {
+        "query": "yaml",
+        "language": "python",
+        "paths": {"include": ["src/"], "exclude": ["tests/"]},
+        "case_sensitive": False,
+        "max_results": 20,
+    },
+    "create-issue": {
+        "repo": "acme/billing",
+        "title": "Monthly invoice PDF takes over 30 s to render for 500+ line items",
+        "body": "The monthly invoice PDF takes over 30 seconds to render with more than 500 line items.",
+        "labels": ["performance", "bug"],
+        "priority": "p1",
+        "assignees": ["mkowalski", "tchen"],
+        "links": [{"kind": "related", "url": "https://github.com/acme/billing/issues/812"}],
+        "milestone": 14,
+    },
+    "schedule-meeting": {
+        "title": "Design review",
+        "start": "2026-05-12T15:00",
+        "duration_minutes": 45,
+        "attendees": [
+            {"name": "Dana", "email": "dana@corp.example", "optional": False},
+            {"name": "Lee", "email": "lee@corp.example", "optional": True},
+        ],
+        "location": {"kind": "room", "detail": "Atlas"},
+        "reminders_minutes": [10],
+    },
+}
+
+
+def schema_features(schema: dict, nested: bool = False) -> set[str]:
+    """What a schema uses, over all its sub-schemas: nested objects, arrays, enums, numbers,
+    booleans and optional properties."""
+    found = set()
+    if "enum" in schema:
+        found.add("enum")
+    kind = schema.get("type")
+    if kind == "object":
+        found |= {"nested object"} if nested else set()
+        if set(schema["properties"]) - set(schema.get("required", [])):
+            found.add("optional")
+        for sub in schema["properties"].values():
+            found |= schema_features(sub, nested=True)
+    elif kind == "array":
+        found |= {"array"} | schema_features(schema["items"], nested=True)
+    elif kind in ("number", "integer", "boolean"):
+        found.add("boolean" if kind == "boolean" else "number")
+    return found
+
+
+def grammar_accepts(schema: dict, text: str) -> bool:
+    """Whether the engine's grammar for ``schema`` accepts ``text`` whole, walked byte by byte
+    through llguidance's byte tokenizer (no model needed)."""
+    import llguidance
+
+    from cactus_edge.grammar import grammar_source, parse_json_schema
+
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, grammar_source(parse_json_schema(schema), None, None))
+    return matcher.consume_tokens(tokenizer.tokenize_bytes(text.encode())) and matcher.is_accepting()
+
+
+def test_the_bundled_structured_prompts_have_compiling_schemas_of_every_kind():
+    from cactus_edge.bench import STRUCTURED_KINDS, load_structured, load_workload
+    from cactus_edge.grammar import grammar_source, parse_json_schema
+
+    structured = load_structured()
+    assert len(structured) >= 8 and len({e["id"] for e in structured}) == len(structured)
+    assert {e["category"] for e in structured} == {"structured"}
+    assert sorted({e["kind"] for e in structured}) == sorted(STRUCTURED_KINDS)
+    assert all(sum(e["kind"] == kind for e in structured) >= 2 for kind in STRUCTURED_KINDS)
+    every_feature = {"nested object", "array", "enum", "number", "boolean", "optional"}
+    for entry in structured:
+        assert grammar_source(parse_json_schema(entry["json_schema"]), None, None)  # compiles
+        assert schema_features(entry["json_schema"]) == every_feature, entry["id"]
+        assert "JSON object" in entry["prompt"] and "no prose" in entry["prompt"]  # asks for JSON only
+    assert load_workload(categories=["structured"]) == structured
+    # Every other category is as it was: no schema anywhere.
+    assert not any("json_schema" in e for e in load_workload() if e["category"] != "structured")
+
+
+def test_every_structured_prompt_has_an_answer_its_schema_accepts():
+    from cactus_edge.bench import load_structured
+
+    structured = {e["id"]: e["json_schema"] for e in load_structured()}
+    assert set(EXAMPLE_ANSWERS) == set(structured)
+    for name, answer in EXAMPLE_ANSWERS.items():
+        schema = structured[name]
+        assert grammar_accepts(schema, json.dumps(answer)), name
+        assert grammar_accepts(schema, json.dumps(answer, indent=2)), name  # pretty-printed, too
+        # The schema constrains: a required field left out, or a field it does not know, is refused.
+        first_required = schema["required"][0]
+        assert not grammar_accepts(
+            schema, json.dumps({k: v for k, v in answer.items() if k != first_required})
+        )
+        assert not grammar_accepts(schema, json.dumps({**answer, "unknown_field": 1})), name
+
+
+def test_a_jsonl_prompt_keeps_its_schema_and_each_entry_gets_its_own(tmp_path):
+    from cactus_edge.bench import entry_settings
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "p", "json_schema": schema}) + "\n" + json.dumps({"prompt": "q"}) + "\n"
+    )
+    constrained, free = load_prompts(path)
+    assert constrained["json_schema"] == schema and "json_schema" not in free
+    settings = {"max_tokens": 9}
+    assert entry_settings(constrained, settings) == {"max_tokens": 9, "json_schema": schema}
+    assert entry_settings(free, settings) is settings
+
+
+def test_the_forced_share_counts_constrained_replies_only():
+    from cactus_edge.bench import forced_tokens_table
+
+    variants = [Variant("none", n_draft=0), Variant("sps", n_draft=4)]
+    records = [
+        {**record(0, "none", 10.0, 20, 20, 0, hist={0: 20}), "constrained": True, "n_forced": 0},
+        {**record(0, "sps k=4", 15.0, 8, 24, 16), "constrained": True, "n_forced": 6},
+        {**record(1, "none", 10.0, 20, 20, 0, hist={0: 20}), "constrained": False, "n_forced": 0},
+        {**record(1, "sps k=4", 15.0, 8, 30, 16), "constrained": False, "n_forced": 0},
+    ]
+    summary = summarize(records, variants)
+    sps = summary["sps k=4"]
+    assert (sps["n_constrained_replies"], sps["n_constrained_tokens"], sps["n_forced"]) == (1, 24, 6)
+    assert sps["forced_share"] == pytest.approx(0.25) and summary["none"]["forced_share"] == 0.0
+    assert "| sps k=4 | 1 | 24 | 6 | 25.0% |" in forced_tokens_table(summary)
+    unconstrained = summarize([r for r in records if not r["constrained"]], variants)
+    assert unconstrained["sps k=4"]["forced_share"] is None and forced_tokens_table(unconstrained) == ""
+
+
+def test_a_structured_bench_constrains_every_variant_and_reports_forced_tokens(
+    tiny_args, tmp_path, monkeypatch
+):
+    from cactus_edge.bench import load_structured
+    from cactus_edge.engine import Engine
+    from cactus_edge.grammar import parse_json_schema
+
+    calls = []  # ("check" or "stream", config), in order
+    real_stream, real_check = Engine.stream, Engine.check_request
+
+    def stream(self, prompt, config, *args, **kwargs):
+        calls.append(("stream", config))
+        return real_stream(self, prompt, config, *args, **kwargs)
+
+    def check_request(self, prompt, config):
+        calls.append(("check", config))
+        return real_check(self, prompt, config)
+
+    monkeypatch.setattr(Engine, "stream", stream)
+    monkeypatch.setattr(Engine, "check_request", check_request)
+    out = tmp_path / "out"
+    flags = ["--category", "structured", "--limit", "1", "--methods", "none,sps", "--n-draft", "3"]
+    data = run_bench_command(tiny_args, out, *flags, "--max-tokens", "24")
+    runs = [config for kind, config in calls if kind == "stream" and config.max_tokens == 24]  # no warm-up
+    schema = parse_json_schema(load_structured()[0]["json_schema"])
+    assert [config.method for config in runs] == ["none", "sps"]
+    assert all(config.json_schema == schema for config in runs)
+    # The schema is compiled before anything is timed, not in the first variant's first token.
+    assert next(kind for kind, config in calls if config.json_schema is not None) == "check"
+    assert all(r["constrained"] and r["category"] == "structured" for r in data["runs"])
+    sps = data["summary"]["sps k=3 [model+lookup]"]
+    assert sps["n_constrained_replies"] == 1 and 0 < sps["n_forced"] <= sps["n_constrained_tokens"]
+    assert sps["forced_share"] == pytest.approx(sps["n_forced"] / sps["n_constrained_tokens"])
+    table = (out / "bench.md").read_text()
+    assert "| method | constrained replies | tokens | forced tokens | forced share |" in table
+    assert "| sps k=3 [model+lookup] | 1 | " in table

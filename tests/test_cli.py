@@ -180,3 +180,115 @@ def test_generate_profile_accounts_for_every_millisecond_of_the_steps(runner, ti
     table = result.stderr.splitlines()
     assert any(line.startswith("| target processing | ") for line in table)
     assert any(line.startswith("| **host total** | ") for line in table)
+
+
+# --- constrained generation: --json-schema, --grammar, --regex ----------------------------------
+
+# The tiny vocabulary spells any text (byte-fallback tokens): an enum and a boolean bound the reply
+# to a few short objects, so even the random tiny model must finish one within the token budget.
+COLOR_SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+WORDS_REGEX = r"[a-z]{3,8}( [a-z]{3,8}){0,3}"
+LITERAL_LARK = 'start: "the number of people is " /[a-z ]{1,10}/'
+
+
+def constrained_json_run(runner, tiny_pair, *constraint) -> dict:
+    """`generate --json` under a constraint on the tiny pair, fixed draft length and seed; its JSON."""
+    args = ["generate", "pick one", *pair_args(tiny_pair), "--json", "--max-tokens", "128"]
+    args += ["--method", "sps", "--n-draft", "3", "--seed", "0", *constraint]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("source", ["inline", "file"])
+def test_generate_json_schema_replies_with_an_object_the_schema_accepts(runner, tiny_pair, tmp_path, source):
+    value = json.dumps(COLOR_SCHEMA)
+    if source == "file":
+        (tmp_path / "schema.json").write_text(value)
+        value = str(tmp_path / "schema.json")
+    data = constrained_json_run(runner, tiny_pair, "--json-schema", value)
+    assert data["finish_reason"] == "stop"
+    reply = json.loads(data["text"])
+    assert set(reply) == {"color", "ok"}
+    assert reply["color"] in COLOR_SCHEMA["properties"]["color"]["enum"] and isinstance(reply["ok"], bool)
+    # The keys are the grammar's to write: some are proposed as forced drafts, all accepted.
+    assert 0 < data["n_forced"] <= data["n_accepted"]
+
+
+def test_generate_regex_replies_with_a_full_match(runner, tiny_pair):
+    import re
+
+    data = constrained_json_run(runner, tiny_pair, "--regex", WORDS_REGEX)
+    assert data["finish_reason"] == "stop" and re.fullmatch(WORDS_REGEX, data["text"]), data["text"]
+
+
+def test_generate_grammar_file_and_the_forced_count_in_the_summary(runner, tiny_pair, tmp_path):
+    import re
+
+    (tmp_path / "literal.lark").write_text(LITERAL_LARK)
+    args = ["generate", "pick one", *pair_args(tiny_pair), "--max-tokens", "40", "--method", "sps"]
+    result = runner.invoke(
+        main, [*args, "--n-draft", "3", "--seed", "0", "--grammar", str(tmp_path / "literal.lark")]
+    )
+    assert result.exit_code == 0, result.output
+    text = result.stdout.removesuffix("\n")
+    assert re.fullmatch(r"the number of people is [a-z ]{1,10}", text), text
+    summary = result.stderr.splitlines()[-1]
+    forced = re.search(r", (\d+) forced by the grammar, finish: ", summary)
+    assert forced and int(forced.group(1)) > 0, summary  # the literal is forced after its first token
+
+
+def test_the_summary_counts_forced_tokens_only_under_a_constraint():
+    from cactus_edge.cli import summary_line
+    from cactus_edge.stats import GenerationStats, StepStats
+
+    stats = GenerationStats(method="sps")
+    stats.record(StepStats(4, 3, 1.0, 1.0, 2.0, n_decided=4, n_forced=2))
+    assert "forced" not in summary_line(stats)
+    assert ", 2 forced by the grammar, finish: " in summary_line(stats, constrained=True)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--json-schema", '{"type": "object",', "json_schema is not valid JSON"),
+        ("--json-schema", '{"type": "objectx"}', "invalid json_schema"),
+        ("--json-schema", "missing.json", "no such file 'missing.json'"),
+        ("--json-schema", "bad.json", "bad.json: json_schema is not valid JSON"),
+        ("--json-schema", "list.json", "list.json: json_schema must be a JSON object"),
+        ("--grammar", "bad.lark", "invalid grammar"),
+        ("--grammar", "missing.lark", "does not exist"),
+        ("--regex", "(unclosed", "invalid regex"),
+    ],
+)
+def test_a_bad_constraint_is_refused_naming_its_option(
+    runner, tiny_pair, tmp_path, monkeypatch, option, value, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text('{"type": ')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.lark").write_text("start: undefined_rule")
+    result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair), option, value])
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"'{option}'" in errors[0] and message in errors[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "constraints",
+    [["--json-schema", json.dumps(COLOR_SCHEMA), "--regex", "a+"], ["--regex", "a+", "--grammar", "g.lark"]],
+)
+def test_two_constraints_are_refused(runner, tiny_pair, tmp_path, monkeypatch, constraints):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "g.lark").write_text(LITERAL_LARK)
+    result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair), *constraints])
+    assert result.exit_code == 2
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith("Error: give at most one of --json-schema, --grammar and --regex, not ")
+    assert all(option in error for option in constraints[::2])
