@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp
@@ -64,7 +65,7 @@ def set_verbose(verbose: bool) -> None:
     _verbose = verbose
 
 
-def _ensure_backend() -> None:
+def ensure_backend() -> None:
     global _initialised
     with _init_lock:
         if not _initialised:
@@ -209,6 +210,7 @@ class LlamaModel:
         n_gpu_layers: int = 0,
         n_batch: int = 512,
         info: GGUFInfo | None = None,
+        placement: DevicePlacement | None = None,
     ) -> None:
         self.path = Path(path)
         self.info = info or read_gguf(self.path)  # typed errors for missing / non-GGUF / truncated
@@ -222,14 +224,16 @@ class LlamaModel:
                 f"n_ctx {n_ctx} exceeds {self.path.name}'s trained context of {trained} tokens; "
                 f"use --n-ctx {trained} or less"
             )
-        _ensure_backend()
+        ensure_backend()
         self._model = None
         self._ctx = None
         self._batch = None
         model_params = llama_cpp.llama_model_default_params()
         self.n_gpu_layers = n_gpu_layers
         model_params.n_gpu_layers = n_gpu_layers
+        keep_alive = placement.apply(model_params) if placement else ()
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
+        del keep_alive  # llama.cpp copies devices and split while loading
         if not self._model:
             raise BackendError(f"llama.cpp could not load {self.path} (run with --verbose for details)")
         if llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model):
@@ -328,6 +332,18 @@ class LlamaModel:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may be gone
             self.close()
+
+    def _load_vocabulary_only(self) -> None:
+        """Load ``self.path``'s vocabulary and metadata, no weights and no context: what a host
+        tokenizes with while the weights live in another process (:mod:`remote_model`)."""
+        ensure_backend()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not self._model:
+            raise BackendError(f"llama.cpp could not read the vocabulary of {self.path}")
+        self._vocab_handle = llama_cpp.llama_model_get_vocab(self._model)
+        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab_handle)
 
     # --- vocabulary ----------------------------------------------------------------------------
 
@@ -595,6 +611,44 @@ class LlamaModel:
             self.reset()
 
 
+@dataclass(frozen=True)
+class DevicePlacement:
+    """Where a model's layers go, past llama.cpp's defaults: ``devices`` (ggml device pointers;
+    llama.cpp splits the offloaded layers across them), ``tensor_split`` (each device's share, as
+    ``--tensor-split``; empty: in proportion to their free memory) and ``on_progress`` (called
+    with 0..1 while loading; returning False aborts the load)."""
+
+    devices: tuple[int, ...] = ()
+    tensor_split: tuple[float, ...] = ()
+    on_progress: Callable[[float], bool] | None = None
+
+    def apply(self, model_params) -> tuple:
+        """Set these on ``model_params``; returns the ctypes objects that must outlive the load."""
+        alive: list = []
+        if self.devices:
+            devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
+            model_params.devices = ctypes.cast(devices, ctypes.c_void_p)
+            alive.append(devices)
+        if self.tensor_split:
+            split = (ctypes.c_float * llama_cpp.LLAMA_MAX_DEVICES)(*self.tensor_split)
+            model_params.tensor_split = split
+            alive.append(split)
+        if self.on_progress is not None:
+            report = self.on_progress
+            callback = llama_cpp.llama_progress_callback(lambda fraction, _data: bool(report(fraction)))
+            model_params.progress_callback = callback
+            alive.append(callback)
+        return tuple(alive)
+
+
+def ggml_library():
+    """libggml as llama-cpp-python loaded it (for ggml's backend registry: backend_rpc)."""
+    from llama_cpp._ggml import libggml
+
+    ensure_backend()
+    return libggml
+
+
 def _file_identity(path: Path) -> dict | None:
     try:
         stat = path.stat()
@@ -658,7 +712,7 @@ def quantize_gguf(
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name.upper()}", None)
     if ftype is None:
         raise BackendError(f"this llama.cpp has no quantization type {ftype_name!r}")
-    _ensure_backend()
+    ensure_backend()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True

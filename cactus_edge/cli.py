@@ -43,18 +43,21 @@ def _clean(value: float, digits: int = 4) -> str:
     return text[1:] if text.startswith("-") and float(text) == 0 else text
 
 
-def summary_line(stats: GenerationStats) -> str:
+def summary_line(stats: GenerationStats, constrained: bool = False) -> str:
     """The one-line summary the CLI prints after a reply. KL appears only when a lossy rule
-    actually decided a draft token (lossless rules and plain steps are exact)."""
+    actually decided a draft token (lossless rules and plain steps are exact); the tokens the
+    grammar forced, only under a constraint (``constrained``)."""
     kl = f", KL {_clean(stats.kl_mean)}" if stats.lossy and stats.kl_mean is not None else ""
     budget = ""
     if kl and stats.kl_budget is not None:
         budget = f" (total {_clean(stats.kl_total)} of budget {stats.kl_budget:g})"
     histogram = f", draft lengths {stats.draft_length_histogram}" if stats.method != "none" else ""
+    forced = f", {stats.n_forced} forced by the grammar" if constrained else ""
     return (
         f"[{stats.method}] {stats.n_tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
         f"AL {stats.acceptance_length:.2f} ({stats.tokens_per_verifier_call:.2f} tokens/verifier call), "
-        f"{stats.n_verifier_calls} verifier calls{kl}{budget}{histogram}, finish: {stats.finish_reason}"
+        f"{stats.n_verifier_calls} verifier calls{kl}{budget}{histogram}{forced}, "
+        f"finish: {stats.finish_reason}"
     )
 
 
@@ -250,10 +253,15 @@ class ModelChoice:
     threads: int | None
     n_gpu_layers: int
     verbose: bool
+    rpc: str | None = None
+    tensor_split: tuple[float, ...] = ()
+    rpc_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.pair and (self.draft or self.target):
             raise click.UsageError("use --pair, or --draft/--target, not both")
+        if self.tensor_split and not self.rpc:
+            raise click.UsageError("--tensor-split places layers across --rpc workers; give --rpc too")
 
     def describe(self, engine) -> str:
         """Which models run, and where a faster pair is one command away (generate, chat, serve)."""
@@ -284,7 +292,23 @@ class ModelChoice:
             n_threads=self.threads,
             n_gpu_layers=self.n_gpu_layers,
             verbose=self.verbose,
+            rpc_servers=self.rpc,
+            tensor_split=self.tensor_split,
+            rpc_timeout=self.rpc_timeout,
         )
+
+
+def _shares(ctx, param, value: str | None) -> tuple[float, ...]:
+    """ "3,1" → (3.0, 1.0): non-negative shares, at least one positive."""
+    if not value:
+        return ()
+    try:
+        shares = tuple(float(item) for item in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    if any(share < 0 for share in shares) or not any(shares):
+        raise click.BadParameter("shares must be >= 0 and not all 0")
+    return shares
 
 
 def model_options(command):
@@ -306,11 +330,45 @@ def model_options(command):
             help="Layers to offload to Metal/CUDA (-1 = all).",
         ),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
+        click.option(
+            "--rpc",
+            metavar="HOST:PORT[,HOST:PORT...]",
+            default=None,
+            help="Place the target's layers on these `cactus-edge worker`s (the draft stays here).",
+        ),
+        click.option(
+            "--tensor-split",
+            metavar="SHARE[,SHARE...]",
+            default=None,
+            callback=_shares,
+            help="Each --rpc worker's share of the layers (default: by free memory).",
+        ),
+        click.option(
+            "--rpc-timeout",
+            type=click.FloatRange(min=0.1),
+            default=None,
+            help="Seconds one call to the workers may take before a worker counts as lost [default: 60].",
+        ),
     ]
 
     @functools.wraps(command)
-    def wrapper(*args, pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, **kwargs):
-        model = ModelChoice(pair, draft, target, n_ctx, threads, n_gpu_layers, verbose)
+    def wrapper(
+        *args,
+        pair,
+        draft,
+        target,
+        n_ctx,
+        threads,
+        n_gpu_layers,
+        verbose,
+        rpc,
+        tensor_split,
+        rpc_timeout,
+        **kwargs,
+    ):
+        model = ModelChoice(
+            pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, rpc, tensor_split, rpc_timeout
+        )
         return command(*args, model=model, **kwargs)
 
     for option in reversed(options):
@@ -440,12 +498,82 @@ def build_config(**flags):
     return GenerationConfig(**{k: v for k, v in flags.items() if k in names})
 
 
+CONSTRAINT_OPTIONS = {"json_schema": "--json-schema", "grammar": "--grammar", "regex": "--regex"}
+
+
+def _checked_constraint(param, name: str, text: str) -> str:
+    """``text`` if llguidance compiles it as constraint ``name`` (no tokenizer needed), else a
+    BadParameter naming the option with the library's message."""
+    from .grammar import grammar_source
+
+    try:
+        grammar_source(**{"json_schema": None, "lark": None, "regex": None, name: text})
+    except CactusEdgeError as error:
+        raise click.BadParameter(str(error), param=param) from None
+    return text
+
+
+def _json_schema_option(ctx, param, value: str | None) -> str | None:
+    """--json-schema: an inline JSON object (a value starting with '{') or the path of a JSON
+    file; the schema as compact JSON text, compiled here so every problem names the option."""
+    from .grammar import parse_json_schema
+
+    if value is None:
+        return None
+    inline = value.lstrip().startswith("{")
+    if not inline and not Path(value).is_file():
+        raise click.BadParameter(
+            f"no such file {value!r} (give a JSON file's path, or an inline JSON object)", param=param
+        )
+    text = value if inline else Path(value).read_text()
+    where = "" if inline else f"{value}: "
+    try:
+        schema = parse_json_schema(text)
+    except CactusEdgeError as error:
+        raise click.BadParameter(f"{where}{error}", param=param) from None
+    return _checked_constraint(param, "json_schema", schema)
+
+
+def _grammar_option(ctx, param, value: str | None) -> str | None:
+    """--grammar FILE: the Lark grammar (llguidance's syntax) the file holds, compiled here."""
+    return None if value is None else _checked_constraint(param, "lark", Path(value).read_text())
+
+
+def _regex_option(ctx, param, value: str | None) -> str | None:
+    """--regex PATTERN: the pattern, compiled here."""
+    return None if value is None else _checked_constraint(param, "regex", value)
+
+
+def _one_constraint(flags: dict) -> None:
+    """At most one of --json-schema, --grammar and --regex (a UsageError naming the ones given)."""
+    given = [option for name, option in CONSTRAINT_OPTIONS.items() if flags.get(name) is not None]
+    if len(given) > 1:
+        raise click.UsageError(
+            f"give at most one of --json-schema, --grammar and --regex, not {' and '.join(given)}"
+        )
+
+
 @main.command()
 @click.argument("prompt")
 @model_options
 @sampling_options
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); never printed.")
+@click.option(
+    "--json-schema",
+    metavar="FILE|JSON",
+    callback=_json_schema_option,
+    help="Constrain the reply to this JSON schema: a JSON file, or an inline object ('{...}').",
+)
+@click.option(
+    "--grammar",
+    type=click.Path(exists=True, dir_okay=False),
+    callback=_grammar_option,
+    help="Constrain the reply to this Lark grammar file (llguidance's syntax).",
+)
+@click.option(
+    "--regex", metavar="PATTERN", callback=_regex_option, help="Constrain the whole reply to match PATTERN."
+)
 @click.option(
     "--chat/--raw",
     default=True,
@@ -468,6 +596,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    _one_constraint(flags)
     config = build_config(**{**flags, "stop": tuple(flags["stop"])})
     with model.load(config.method, config.drafter) as engine:
         if chat:
@@ -493,7 +622,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
         click.echo(json.dumps({"text": "".join(text), **json_stats(stats)}, indent=2))
     else:
         click.echo()
-        click.echo(summary_line(stats), err=True)
+        click.echo(summary_line(stats, constrained=config.grammar_source is not None), err=True)
     if profile:
         click.echo(profile_table(stats.profile_ms, stats.n_decode_steps), err=True)
 
@@ -667,6 +796,7 @@ def bench(
 
     from .bench import (
         MEMORY_BOUND_VERIFY_RATIO,
+        forced_tokens_table,
         load_workload,
         make_variants,
         markdown_table,
@@ -723,7 +853,7 @@ def bench(
             f"`auto` started from batch costs the cost cache kept (measured by an earlier engine, not "
             f"in its own first reply) for: {', '.join(kept)}; CACTUS_EDGE_COST_CACHE=off measures them.\n"
         )
-    table = title + markdown_table(summary) + footer
+    table = title + markdown_table(summary) + forced_tokens_table(summary) + footer
     if profile:
         table += "".join(
             "\n" + profile_table(s["profile_ms"], s["n_decode_steps"], f"{label}: ") + "\n"
@@ -839,6 +969,7 @@ def json_stats(stats) -> dict:
         "n_verifier_calls",
         "n_drafted",
         "n_accepted",
+        "n_forced",
         "acceptance_length",
         "tokens_per_verifier_call",
         "tokens_per_second",
@@ -918,6 +1049,35 @@ def serve(model, system, as_json, **flags) -> None:
             click.echo(f"listening on {server.url}")
 
     run(lambda: model.load(config.method, config.drafter), settings, announce)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option(
+    "--threads", type=click.IntRange(min=1), default=None, help="CPU threads (default: physical cores)."
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="ggml's tensor cache: weights a host sent once are read from here next time.",
+)
+@click.option(
+    "--insecure-bind",
+    is_flag=True,
+    help="Allow a non-loopback --host (the protocol has no authentication).",
+)
+@handle_errors
+def worker(host, port, threads, cache_dir, insecure_bind) -> None:
+    """Hold part of a target for a host's --rpc: ggml's RPC server. SIGTERM or Ctrl-C stops it."""
+    from .worker import WorkerSettings, run_worker
+
+    run_worker(WorkerSettings(host, port, threads, cache_dir, insecure_bind), lambda line: click.echo(line))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # ggml's server thread sits in accept(): no interpreter teardown around it
 
 
 def _served_model_name(model) -> str:

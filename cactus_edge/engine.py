@@ -377,9 +377,16 @@ def load_models(
     n_threads: int | None = None,
     n_gpu_layers: int = 0,
     verbose: bool = False,
+    rpc_servers: str | Sequence[str] | None = None,
+    tensor_split: Sequence[float] = (),
+    rpc_timeout: float | None = None,
 ) -> tuple[LlamaModel, LlamaModel | None]:
     """(target, draft) loaded from paths or registered names. The pair is checked to share a
-    tokenizer before any weights are loaded; a failure frees whatever was loaded."""
+    tokenizer before any weights are loaded; a failure frees whatever was loaded.
+
+    rpc_servers: "host:port" workers (a list or one comma-separated string) that hold the
+        target's layers (:class:`RemoteLlamaModel`, ``tensor_split`` their shares, ``rpc_timeout``
+        seconds per call); the draft always runs here."""
     from .registry import resolve_model_path
 
     set_verbose(verbose)
@@ -390,13 +397,35 @@ def load_models(
         draft_info = read_gguf(resolve_model_path(draft), tokens=True)
         check_pair_compatible(draft_info, target_info)
     settings = {"n_ctx": n_ctx, "n_threads": n_threads, "n_gpu_layers": n_gpu_layers}
-    target_model = LlamaModel(target_path, info=target_info, **settings)
+    if rpc_servers:
+        target_model = _remote_target(
+            target_path, target_info, settings, rpc_servers, tensor_split, rpc_timeout, verbose
+        )
+        settings["n_gpu_layers"] = 0  # the draft stays on this machine's CPU
+    elif tensor_split:
+        raise InvalidSettingError("tensor_split needs rpc_servers", param="tensor_split")
+    else:
+        target_model = LlamaModel(target_path, info=target_info, **settings)
     try:
         draft_model = LlamaModel(draft_info.path, info=draft_info, **settings) if draft_info else None
     except BaseException:
         target_model.close()
         raise
     return target_model, draft_model
+
+
+def _remote_target(path, info, settings, rpc_servers, tensor_split, timeout, verbose) -> LlamaModel:
+    from .remote_model import DEFAULT_RPC_TIMEOUT, RemoteLlamaModel
+
+    return RemoteLlamaModel(
+        path,
+        info=info,
+        rpc_servers=rpc_servers,
+        tensor_split=tensor_split,
+        timeout=timeout or DEFAULT_RPC_TIMEOUT,
+        verbose=verbose,
+        **settings,
+    )
 
 
 def _collect(events: Iterator[StreamEvent]) -> GenerationResult:

@@ -141,3 +141,21 @@ class EngineClosedError(CactusEdgeError):
 class GrammarStateError(CactusEdgeError):
     """A grammar could not follow the reply (it refused a token, failed a mask, or could not roll
     back): a bug or a grammar past llguidance's limits, never silently unconstrained output."""
+
+
+class RPCUnavailableError(CactusEdgeError):
+    """This llama-cpp-python was built without ggml's RPC backend (`--rpc`, `cactus-edge worker`)."""
+
+    exit_code = 2
+
+
+class WorkerLostError(BackendError):
+    """An RPC worker that holds part of the target is absent, died, stopped answering, or speaks
+    another protocol version. ``endpoint`` names it ("host:port"; None when it could not be told
+    which). The model process was stopped and the caches emptied; the next request reconnects."""
+
+    exit_code = 8
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint

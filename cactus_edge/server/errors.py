@@ -14,6 +14,7 @@ from ..errors import (
     EngineClosedError,
     InvalidSettingError,
     UnsupportedParameterError,
+    WorkerLostError,
 )
 from ..openai_api import openai_param
 from .settings import RETRY_AFTER_SECONDS
@@ -96,6 +97,10 @@ def from_library_error(error: BaseException, prompt_param: str) -> HTTPError:
         return busy_error("the server is shutting down", "shutting_down")
     if isinstance(error, EngineBusy):
         return busy_error(str(error), "engine_busy")
+    if isinstance(error, WorkerLostError):
+        # Not the request's fault, and over once the worker is back: the next request reconnects.
+        logger.error("RPC worker lost: %s", error)
+        return busy_error(str(error), "rpc_worker_lost")
     if isinstance(error, CactusEdgeError):
         logger.error("generation failed: %s: %s", type(error).__name__, error)
         return HTTPError(
