@@ -168,6 +168,13 @@ class RemoteLlamaModel(LlamaModel):
             answer = process.request(request, self.timeout)
         except _ProcessLost as lost:
             raise self._lost(lost) from None
+        except BaseException:
+            # Interrupted (Ctrl-C) while the child works: its answer would arrive as the next
+            # request's, so the process is dropped; the next call reloads, the mirror is empty.
+            self._process = None
+            process.stop()
+            self.tokens.clear()
+            raise
         kind, value, child_n_past = answer
         if kind == "error":
             raise _rebuilt_error(*value)

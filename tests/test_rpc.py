@@ -173,6 +173,24 @@ def test_a_stopped_worker_is_declared_lost_after_the_timeout(tiny_pair, workers)
         assert greedy(remote, PROMPTS[1]).tokens  # back: the next request reconnects
 
 
+def test_an_interrupted_call_drops_the_model_process_and_the_next_call_reloads(tiny_pair, workers, local):
+    with rpc_engine(tiny_pair, workers) as remote:
+        greedy(remote, PROMPTS[0])
+
+        def interrupted(timeout=0.0):
+            raise KeyboardInterrupt  # Ctrl-C while the model process decodes
+
+        remote.target._process.connection.poll = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            greedy(remote, PROMPTS[1])
+        assert remote.check_caches() == []
+        expected = greedy(local, PROMPTS[1])
+        again = greedy(remote, PROMPTS[1])  # a new model process: no stale answer is read
+        assert_same_greedy_tokens(
+            local.target, local.tokenize_prompt(PROMPTS[1]), expected.tokens, again.tokens
+        )
+
+
 def test_a_worker_absent_at_start_is_a_clear_error(tiny_pair, workers):
     absent = Endpoint("127.0.0.1", free_port())
     draft, target = tiny_pair
