@@ -341,9 +341,7 @@ def _load(connection: Connection, path: str, settings: dict, tensor_split, endpo
 def _answer(model: LlamaModel, kind: str, args: tuple):
     if kind == "decode":
         return model.decode(*args, copy=True), model.last_decode_ms
-    if kind == "cache_range":
-        return model.cache_range()
-    return getattr(model, kind)(*args)  # truncate, sync_cache, reset
+    return getattr(model, kind)(*args)  # truncate, cache_range, sync_cache, reset
 
 
 _REQUESTS = {"decode", "truncate", "cache_range", "sync_cache", "reset"}

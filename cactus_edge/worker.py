@@ -13,11 +13,21 @@ import signal
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .backend_rpc import DEFAULT_PORT, Endpoint, device_name, rpc_registry, serve_rpc, worker_devices
-from .errors import CactusEdgeError, InvalidSettingError
+from .backend_rpc import (
+    DEFAULT_PORT,
+    Endpoint,
+    device_name,
+    probe_worker,
+    rpc_registry,
+    serve_rpc,
+    worker_devices,
+)
+from .errors import CactusEdgeError, InvalidSettingError, WorkerLostError
 
 INSECURE_WARNING = (
     "warning: ggml's RPC protocol has no authentication and no encryption: anyone who can reach "
@@ -78,6 +88,26 @@ def _check_port_free(endpoint: Endpoint) -> None:
             probe.bind((endpoint.host, endpoint.port))
         except OSError as error:
             raise WorkerStartError(f"cannot listen on {endpoint}: {error.strerror or error}") from None
+
+
+def worker_command(port: int, *flags: str) -> list[str]:
+    """The command line that starts a worker on ``port`` with this Python (scripts and tests)."""
+    return [sys.executable, "-m", "cactus_edge.cli", "worker", "--port", str(port), *flags]
+
+
+def wait_for_worker(endpoint: Endpoint, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Return once the worker at ``endpoint`` answers the handshake. Raises the last probe's
+    WorkerLostError when it has not within ``timeout`` s, or as soon as ``alive()`` is False (the
+    worker's process exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            probe_worker(endpoint, 1.0)
+            return
+        except WorkerLostError:
+            if not alive() or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def run_worker(settings: WorkerSettings, announce=print) -> None:

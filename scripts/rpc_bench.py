@@ -20,12 +20,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-from cactus_edge.backend_rpc import Endpoint, probe_worker
+from cactus_edge.backend_rpc import Endpoint
 from cactus_edge.errors import WorkerLostError
 from cactus_edge.machine import cpu_model_name
+from cactus_edge.worker import wait_for_worker, worker_command
 
 
 def free_port() -> int:
@@ -35,26 +35,14 @@ def free_port() -> int:
 
 
 def start_worker(port: int, threads: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "cactus_edge.cli",
-        "worker",
-        "--port",
-        str(port),
-        "--threads",
-        str(threads),
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            probe_worker(Endpoint("127.0.0.1", port), 1.0)
-            return process
-        except WorkerLostError:
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise SystemExit(f"worker on port {port} did not start") from None
-            time.sleep(0.05)
+    process = subprocess.Popen(
+        worker_command(port, "--threads", str(threads)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_worker(Endpoint("127.0.0.1", port), 30, alive=lambda: process.poll() is None)
+    except WorkerLostError:
+        raise SystemExit(f"worker on port {port} did not start") from None
+    return process
 
 
 class DelayProxy:

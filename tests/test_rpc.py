@@ -19,10 +19,11 @@ import httpx
 import openai
 import pytest
 
-from cactus_edge.backend_rpc import Endpoint, parse_endpoints, probe_worker, rpc_supported
+from cactus_edge.backend_rpc import Endpoint, parse_endpoints, rpc_supported
 from cactus_edge.engine import Engine, GenerationConfig
 from cactus_edge.errors import InvalidSettingError, RPCUnavailableError, WorkerLostError
 from cactus_edge.server import ServerSettings, create_server
+from cactus_edge.worker import wait_for_worker, worker_command
 
 from .test_engine import assert_same_greedy_tokens
 
@@ -45,28 +46,16 @@ class Worker:
 
     def __init__(self, port: int | None = None, *extra: str) -> None:
         self.port = port or free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "cactus_edge.cli",
-            "worker",
-            "--port",
-            str(self.port),
-            "--threads",
-            "1",
-        ]
         self.process = subprocess.Popen(
-            [*command, *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            worker_command(self.port, "--threads", "1", *extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        deadline = time.monotonic() + WAIT
-        while True:
-            try:
-                probe_worker(self.endpoint, 1.0)
-                return
-            except WorkerLostError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"worker did not start: {self.process.stderr.read()}") from None
-                time.sleep(0.05)
+        try:
+            wait_for_worker(self.endpoint, WAIT, alive=lambda: self.process.poll() is None)
+        except WorkerLostError:
+            raise AssertionError(f"worker did not start: {self.process.stderr.read()}") from None
 
     @property
     def endpoint(self) -> Endpoint:
@@ -303,26 +292,14 @@ def test_the_worker_refuses_a_non_loopback_bind():
 
 
 def test_an_insecure_bind_warns_and_sigterm_exits_0():
-    port = free_port()
-    command = [sys.executable, "-m", "cactus_edge.cli", "worker", "--host", "0.0.0.0", "--port", str(port)]
-    process = subprocess.Popen(
-        [*command, "--insecure-bind"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    worker = Worker(None, "--host", "0.0.0.0", "--insecure-bind")  # answers on 127.0.0.1 too
     try:
-        deadline = time.monotonic() + WAIT
-        while True:
-            try:
-                probe_worker(Endpoint("127.0.0.1", port), 1.0)
-                break
-            except WorkerLostError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
-                time.sleep(0.05)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=WAIT)
-        assert process.returncode == 0
+        worker.process.send_signal(signal.SIGTERM)
+        _, stderr = worker.process.communicate(timeout=WAIT)
+        assert worker.process.returncode == 0
         assert "no authentication" in stderr
     finally:
-        process.kill()
+        worker.kill()
 
 
 def test_a_port_in_use_is_a_clear_error(workers):
