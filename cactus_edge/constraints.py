@@ -24,10 +24,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .grammar import GrammarMatcher
+from .grammar import GrammarMatcher, TokenMask
 from .penalties import Penalties, apply_bias, apply_penalties, repeat_window
+from .sampling import top_k_logits
 
-__all__ = ["LogitShaper"]
+__all__ = ["LogitShaper", "NARROW_MASK"]
+
+# A mask allowing at most this many tokens is applied by gathering them (LogitShaper.candidates);
+# a wider one by looking among the row's WIDE_POOL · k largest entries for the allowed top k.
+NARROW_MASK = 2048
+WIDE_POOL = 4
 
 
 class LogitShaper:
@@ -58,7 +64,7 @@ class LogitShaper:
         self.grammar_start: int | None = None  # context index where the grammar began
         self.ended_at: int | None = None  # context index of the reply's first end token
         self._consumed_flags: list[bool] = []  # per reply token: did the matcher consume it
-        self._masks: dict[int, np.ndarray | None] = {}
+        self._masks: dict[int, TokenMask | None] = {}
         self.active = bool(new_matcher or self.bias is not None or self.penalties)
         if new_matcher is not None and not self.trigger:
             self._start_grammar()
@@ -127,11 +133,9 @@ class LogitShaper:
 
     # --- the grammar here ------------------------------------------------------------------------------
 
-    def mask_at(self, position: int) -> np.ndarray | None:
-        """The grammar's verdict at ``position`` (≤ the current one) as an additive mask, float32
-        (V,): 0 where it allows a token, -inf where it refuses one; None where no grammar applies.
-        A past position's mask was kept when the context passed it. Additive, because adding it
-        to a row costs a twentieth of assigning -inf through a boolean index (150k entries)."""
+    def mask_at(self, position: int) -> TokenMask | None:
+        """The grammar's verdict at ``position`` (≤ the current one); None where no grammar
+        applies. A past position's mask was kept when the context passed it."""
         if self.ended_at is not None and position > self.ended_at:
             return None
         if position in self._masks:
@@ -139,10 +143,7 @@ class LogitShaper:
         if position != self.position:
             # Not kept: the grammar was off there (a mask is kept whenever a token is consumed).
             return None
-        mask = None
-        if self.matcher is not None:
-            with np.errstate(divide="ignore"):  # log(1) = 0 where allowed, log(0) = -inf
-                mask = np.log(self.matcher.allowed().astype(np.float32))
+        mask = self.matcher.mask() if self.matcher is not None else None
         self._masks[position] = mask
         return mask
 
@@ -156,8 +157,12 @@ class LogitShaper:
         run = self.matcher.forced()
         if run:
             return run
-        allowed = np.flatnonzero(self.mask_at(self.position) == 0)
-        if allowed.size == 1 or (allowed.size and self.end_tokens.issuperset(allowed.tolist())):
+        mask = self.mask_at(self.position)
+        # Counted on the packed bits: listing the ids of a mostly-open mask costs a millisecond.
+        if mask.n_allowed == 0 or mask.n_allowed > max(1, len(self.end_tokens)):
+            return []
+        allowed = mask.allowed_ids()
+        if allowed.size == 1 or self.end_tokens.issuperset(allowed.tolist()):
             return [int(allowed[0])]
         return []
 
@@ -169,7 +174,7 @@ class LogitShaper:
     def allows(self, token: int) -> bool:
         """Whether the grammar allows ``token`` at the current position (always without one)."""
         mask = self.mask_at(self.position)
-        return mask is None or mask[token] == 0
+        return mask is None or mask.allows(token)
 
     # --- shaping rows ----------------------------------------------------------------------------------
 
@@ -181,7 +186,50 @@ class LogitShaper:
             self._shape_row(rows[index], first_position + index)
         return rows if np.ndim(logits) == 2 else rows[0]
 
+    def candidates(
+        self, logits: np.ndarray, position: int, n_keep: int
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Entries of the raw row ``logits`` (W,) that hold the shaped row's n_keep largest, found
+        without shaping all of it: (ids int64 (m,) ascending, their shaped logits float32 (m,)),
+        for :func:`~cactus_edge.sampling.process_candidates`; None where the whole row must be
+        shaped (no grammar here, or the wide-mask shortcut cannot prove its answer).
+
+        A narrow mask (≤ NARROW_MASK tokens, most positions of a JSON reply) gives its allowed
+        entries, every other being -inf. A wide one gives the allowed entries among the row's
+        own WIDE_POOL · n_keep largest, when n_keep of them lie strictly above the pool's
+        smallest value: every entry outside the pool is at most that, so the top n_keep (and
+        their order, ties included) are the same as over the shaped row."""
+        mask = self.mask_at(position)
+        if mask is None:
+            return None
+        row = logits
+        if self.bias is not None or self.penalties is not None:
+            row = np.array(logits, dtype=np.float32, copy=True)
+            self._bias_and_penalize(row, position)
+        if mask.n_allowed <= NARROW_MASK:
+            ids = mask.allowed_ids()
+            ids = ids[ids < row.shape[-1]]
+            return ids, np.asarray(row[ids], dtype=np.float32)
+        pool_ids, pool_values = top_k_logits(np.asarray(row, dtype=np.float32)[None], WIDE_POOL * n_keep)
+        pool_ids, pool_values = pool_ids[0], pool_values[0]
+        allowed = mask.allows_each(pool_ids)
+        kept_values = pool_values[allowed]  # descending, as the pool
+        if kept_values.size < n_keep or not kept_values[n_keep - 1] > pool_values[-1]:
+            return None
+        kept_ids = pool_ids[allowed]
+        order = np.argsort(kept_ids)
+        return kept_ids[order], kept_values[order]
+
     def _shape_row(self, row: np.ndarray, position: int) -> None:
+        self._bias_and_penalize(row, position)
+        mask = self.mask_at(position)
+        if mask is not None:
+            additive, width = mask.additive, row.shape[-1]
+            row += additive[:width]
+            if width > additive.shape[0]:
+                row[additive.shape[0] :] = -np.inf
+
+    def _bias_and_penalize(self, row: np.ndarray, position: int) -> None:
         if self.bias is not None:
             apply_bias(row, *self.bias)
         if self.penalties is not None:
@@ -192,12 +240,6 @@ class LogitShaper:
             apply_penalties(
                 row, np.asarray(window, dtype=np.int64), np.asarray(generated, dtype=np.int64), self.penalties
             )
-        mask = self.mask_at(position)
-        if mask is not None:
-            width = row.shape[-1]
-            row += mask[:width]
-            if width > mask.shape[0]:
-                row[mask.shape[0] :] = -np.inf
 
     def problems(self, expected: Sequence[int]) -> list[str]:
         """Where the shaper's context or the grammar's consumed tokens differ from ``expected``

@@ -31,7 +31,17 @@ from .adaptive import (
 from .config import MAX_AUTO_DRAFT, GenerationConfig
 from .errors import NonFiniteLogitsError
 from .lookup import NgramIndex, match_bucket, point_mass_rows
-from .sampling import ProbRows, fit_logits_to_vocab, process_logits, row_prob, sample_token, widen_row
+from .sampling import (
+    ProbRows,
+    SparseProbs,
+    fit_logits_to_vocab,
+    has_candidate_path,
+    process_candidates,
+    process_logits,
+    row_prob,
+    sample_token,
+    widen_row,
+)
 from .stats import StepProfiler
 
 
@@ -163,13 +173,42 @@ def process_decoded(
     With an active :class:`~cactus_edge.constraints.LogitShaper`, the rows are shaped first (bias,
     penalties, the grammar's mask): the first processed row predicts context index ``position``."""
     rows = logits if row is None else logits[row]
-    if shaper is not None and shaper.active:
-        rows = shaper.shape(rows, position)
     try:
+        if shaper is not None and shaper.active:
+            return _process_shaped(rows, sampling, shaper, position)
         return process_logits(rows, sampling)
     except NonFiniteLogitsError as error:
         index = error.row if row is None else row
         raise model.non_finite_error(index, model.n_past - len(logits) + index) from None
+
+
+def _process_shaped(rows: np.ndarray, sampling, shaper, position: int) -> ProbRows:
+    """process_logits of the shaped rows, (V,) or (n, V): under a grammar, from the few entries
+    that decide each row's top k (:meth:`LogitShaper.candidates`); rows it cannot settle that
+    way, and rows without a grammar, shaped whole."""
+    many = rows.ndim == 2
+    table = rows if many else rows[None]
+    width = table.shape[-1]
+    found = [None]
+    if has_candidate_path(sampling, width):
+        n_keep = 1 if sampling.greedy else sampling.top_k
+        found = [shaper.candidates(row, position + index, n_keep) for index, row in enumerate(table)]
+    if all(candidates is None for candidates in found):
+        return process_logits(shaper.shape(rows, position), sampling)
+    processed = []
+    for index, candidates in enumerate(found):
+        try:
+            if candidates is None:
+                processed.append(process_logits(shaper.shape(table[index], position + index), sampling))
+            else:
+                processed.append(process_candidates(*candidates, width, sampling))
+        except NonFiniteLogitsError:
+            raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {index}", row=index) from None
+    if not many:
+        return processed[0]
+    return SparseProbs(
+        np.stack([p.token_ids for p in processed]), np.stack([p.probs for p in processed]), width
+    )
 
 
 class ModelDrafter:

@@ -28,6 +28,7 @@ from .errors import GrammarStateError, InvalidSettingError
 __all__ = [
     "CompiledGrammars",
     "GrammarMatcher",
+    "TokenMask",
     "grammar_source",
     "parse_json_schema",
     "PARSER_LIMITS",
@@ -150,11 +151,15 @@ class GrammarMatcher:
         self._matcher, self.vocab_size = matcher, vocab_size
         self.consumed: list[int] = []
 
-    def allowed(self) -> np.ndarray:
-        """bool (V,): the tokens the grammar allows after the consumed ones."""
+    def mask(self) -> TokenMask:
+        """The tokens the grammar allows after the consumed ones."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         self._check()
-        return np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        return TokenMask(bits, self.vocab_size)
+
+    def allowed(self) -> np.ndarray:
+        """bool (V,): the tokens the grammar allows after the consumed ones."""
+        return self.mask().allowed()
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
@@ -180,3 +185,62 @@ class GrammarMatcher:
     def _check(self) -> None:
         if self._matcher.is_error():
             raise GrammarStateError(f"the grammar failed: {_short(self._matcher.get_error())}")
+
+
+# Row i holds the additive mask of the 8 ids a byte i packs (bit j = id 8k + j): one gather turns
+# a packed mask into 0 / -inf, four times faster than unpacking and taking a log.
+_BYTE_MASKS = np.where(
+    (np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(0), np.float32(-np.inf)
+).astype(np.float32)
+
+
+class TokenMask:
+    """One position's verdict, as llguidance packs it: bit j of byte k allows id 8k + j. The
+    packed form answers the cheap questions (is this id allowed, how many are) without
+    unpacking; the additive row is built once, when a row is shaped."""
+
+    def __init__(self, packed: np.ndarray, vocab_size: int) -> None:
+        self.packed, self.vocab_size = packed, vocab_size  # uint8 (≥ V / 8,)
+        self._additive: np.ndarray | None = None
+        self._n_allowed: int | None = None
+
+    def allows(self, token: int) -> bool:
+        token = int(token)
+        return 0 <= token < self.vocab_size and bool((self.packed[token >> 3] >> (token & 7)) & 1)
+
+    def allows_each(self, tokens: np.ndarray) -> np.ndarray:
+        """bool (n,): whether each of ``tokens`` (int (n,)) is allowed."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        inside = (tokens >= 0) & (tokens < self.vocab_size)
+        safe = np.where(inside, tokens, 0)
+        return inside & ((self.packed[safe >> 3] >> (safe & 7)) & 1).astype(bool)
+
+    @property
+    def n_allowed(self) -> int:
+        if self._n_allowed is None:
+            self._n_allowed = int(np.bitwise_count(self.allowed_bytes()).sum())
+        return self._n_allowed
+
+    def allowed_bytes(self) -> np.ndarray:
+        """The packed bits of ids below V only (llguidance pads to whole 32-bit words)."""
+        n_bytes, n_bits = divmod(self.vocab_size, 8)
+        if not n_bits:
+            return self.packed[:n_bytes]
+        last = self.packed[n_bytes : n_bytes + 1] & np.uint8((1 << n_bits) - 1)
+        return np.concatenate([self.packed[:n_bytes], last])
+
+    def allowed_ids(self) -> np.ndarray:
+        """int64 (n_allowed,): the allowed ids, ascending."""
+        return np.flatnonzero(self.allowed())
+
+    def allowed(self) -> np.ndarray:
+        """bool (V,)."""
+        return np.unpackbits(self.packed, bitorder="little", count=self.vocab_size).astype(bool)
+
+    @property
+    def additive(self) -> np.ndarray:
+        """float32 (V,): 0 where allowed, -inf where refused, to add to a row (adding costs a
+        twentieth of assigning -inf through a boolean index)."""
+        if self._additive is None:
+            self._additive = np.take(_BYTE_MASKS, self.packed, axis=0).reshape(-1)[: self.vocab_size]
+        return self._additive

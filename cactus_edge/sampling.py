@@ -25,6 +25,8 @@ __all__ = [
     "SparseProbs",
     "ProbRows",
     "process_logits",
+    "process_candidates",
+    "has_candidate_path",
     "sample_token",
     "row_support",
     "row_prob",
@@ -214,12 +216,53 @@ def process_logits(logits: np.ndarray, config: SamplingConfig) -> ProbRows:
 def _process_top_k(rows: np.ndarray, config: SamplingConfig) -> SparseProbs:
     """Sparse path: only the top-k logits of each row are ever exponentiated; all rows at once."""
     ids, values = top_k_logits(rows, config.top_k)  # sorted: column 0 holds each row's max
+    return _top_k_probs(ids, values, rows.shape[1], config)
+
+
+def _top_k_probs(ids: np.ndarray, values: np.ndarray, vocab_size: int, config: SamplingConfig) -> SparseProbs:
+    """Rows' top-k (ids, logits), both (n, k) and sorted by descending logit → their processed
+    distribution (temperature, top-p, min-p)."""
     scaled = values.astype(np.float64) / config.temperature
     probs = np.exp(scaled - scaled[:, :1])
     probs /= probs.sum(axis=-1, keepdims=True)
     probs = _apply_top_p_sorted(probs, config.top_p)
     probs = _apply_min_p(probs, config.min_p)
-    return SparseProbs(ids, probs, rows.shape[1])
+    return SparseProbs(ids, probs, vocab_size)
+
+
+def has_candidate_path(config: SamplingConfig, vocab_size: int) -> bool:
+    """Whether :func:`process_candidates` applies: greedy, or top-k on."""
+    return config.greedy or 0 < config.top_k < vocab_size
+
+
+def process_candidates(
+    candidate_ids: np.ndarray, candidate_logits: np.ndarray, vocab_size: int, config: SamplingConfig
+) -> SparseProbs:
+    """:func:`process_logits` of one row (V,) that is -inf outside ``candidate_ids`` (int64
+    (m,), ascending; ``candidate_logits`` float32 (m,) their logits), found from those entries
+    alone: the same SparseProbs (ids, order and padding included) without a pass over V. For
+    a grammar's narrow masks; only where :func:`has_candidate_path` holds."""
+    values = np.asarray(candidate_logits)
+    if values.size and not (np.isfinite(values) | (values == -np.inf)).all():
+        raise NonFiniteLogitsError("non-finite logits (NaN or inf) in row 0", row=0)
+    finite = values > -np.inf
+    if not finite.any():
+        raise NonFiniteLogitsError("non-finite logits (NaN or inf) in row 0", row=0)
+    ids, values = candidate_ids[finite], values[finite]
+    if not config.greedy and ids.size > 2 * config.top_k:
+        # Keep the entries at or above the k-th largest (ties included) before sorting.
+        kth = np.partition(values, ids.size - config.top_k)[ids.size - config.top_k]
+        ids, values = ids[values >= kth], values[values >= kth]
+    if config.greedy:
+        best = int(np.argmax(values))  # the first maximum: the lowest id, as argmax over V
+        return SparseProbs(ids[best : best + 1], np.ones(1, dtype=np.float64), vocab_size)
+    order = np.lexsort((ids, -values))[: config.top_k]
+    n_pad = config.top_k - order.size
+    # As top_k_logits pads a row with fewer finite entries than k: the lowest ids at -inf.
+    padding = np.setdiff1d(np.arange(n_pad + ids.size), ids, assume_unique=True)[:n_pad]
+    top_ids = np.concatenate([ids[order], padding]).astype(np.int64)
+    top_values = np.concatenate([values[order], np.full(n_pad, -np.inf, dtype=values.dtype)])
+    return _top_k_probs(top_ids[None], top_values[None], vocab_size, config)[0]
 
 
 _GROUP_SIZE = 64
@@ -244,17 +287,21 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
         return _top_k_by_sorting(rows, n_keep)
     whole = n_groups * _GROUP_SIZE
     group_max = rows[:, :whole].reshape(n_rows, _GROUP_SIZE, n_groups).max(axis=1)  # a NaN wins
-    top_groups = np.partition(group_max, -n_keep, axis=-1)[:, -n_keep:]  # NaN sorts last
-    floor = top_groups[:, 0]
+    floor = _floors(group_max, n_keep)
     tail = rows[:, whole:]  # ids past the last whole group: candidates of their own
-    row_max = top_groups.max(axis=-1)
+    row_max = group_max.max(axis=-1)  # a NaN wins
     _check_finite(np.maximum(row_max, tail.max(axis=-1)) if tail.size else row_max)
     ids = np.empty((n_rows, n_keep), dtype=np.int64)
     values = np.empty((n_rows, n_keep), dtype=rows.dtype)
     offsets = _group_offsets(n_groups)
     for index in range(n_rows):
+        if floor[index] == -np.inf:  # finite entries in fewer than n_keep groups: a grammar's mask
+            groups = np.flatnonzero(group_max[index] > -np.inf)
+            ids[index] = _top_k_of_few_finite(rows[index], groups, offsets, whole, n_keep)
+            values[index] = rows[index, ids[index]]
+            continue
         groups = np.flatnonzero(group_max[index] >= floor[index])
-        if groups.size > 4 * n_keep:  # many groups tie at the floor (or it is -inf)
+        if groups.size > 4 * n_keep:  # many groups tie at the floor
             ids[index] = _top_k_around_floor(rows[index], floor[index], n_keep)
             values[index] = rows[index, ids[index]]
             continue
@@ -267,6 +314,31 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
         order = np.lexsort((candidates, -candidate_values))[:n_keep]
         ids[index], values[index] = candidates[order], candidate_values[order]
     return ids, values
+
+
+def _floors(group_max: np.ndarray, n_keep: int) -> np.ndarray:
+    """Each row's n_keep-th largest group maximum (n, n_groups) → (n,); -inf where fewer than
+    n_keep groups hold a finite entry. Those rows (a grammar's mask) skip the partition, which
+    is slow over thousands of tied -inf."""
+    floor = np.full(group_max.shape[0], -np.inf, dtype=group_max.dtype)
+    many = np.count_nonzero(group_max > -np.inf, axis=-1) >= n_keep
+    if many.any():
+        floor[many] = np.partition(group_max[many], -n_keep, axis=-1)[:, -n_keep]
+    return floor
+
+
+def _top_k_of_few_finite(
+    row: np.ndarray, groups: np.ndarray, offsets: np.ndarray, whole: int, n_keep: int
+) -> np.ndarray:
+    """Top-k ids of a row (V,) whose finite entries all lie in ``groups`` (fewer than n_keep)
+    or the tail past ``whole``: the largest of them sorted, then the lowest ids at -inf (as
+    :func:`_top_k_around_floor` orders them, without a pass over the whole row)."""
+    candidates = (groups[:, None] + offsets).ravel()
+    if whole < row.size:
+        candidates = np.concatenate([candidates, np.arange(whole, row.size)])
+    candidates = candidates[row[candidates] > -np.inf]
+    finite = candidates[np.lexsort((candidates, -row[candidates]))][:n_keep]
+    return np.concatenate([finite, _first_equal(row, -np.inf, n_keep - finite.size)])
 
 
 def _top_k_around_floor(row: np.ndarray, floor: float, n_keep: int) -> np.ndarray:

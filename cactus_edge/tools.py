@@ -61,8 +61,9 @@ class ToolSetup:
     """What a request's tool settings ask of a generation.
 
     ``tools`` are the request's tool dicts as sent, for the chat template's ``tools`` variable.
-    ``choice`` is "auto", "required" or "function" (then ``forced_name`` names the one tool to
-    call). ``parallel`` allows several calls in one reply.
+    ``choice`` is "none" (the tools are shown to the model, no call is made or parsed), "auto",
+    "required" or "function" (then ``forced_name`` names the one tool to call). ``parallel``
+    allows several calls in one reply.
     """
 
     tools: tuple[dict[str, Any], ...]
@@ -79,7 +80,12 @@ class ToolSetup:
     @property
     def constrained(self) -> bool:
         """Whether the whole reply must be tool calls (then :meth:`grammar` applies from the start)."""
-        return self.choice != "auto"
+        return self.choice in ("required", "function")
+
+    @property
+    def calls_allowed(self) -> bool:
+        """Whether the reply may call tools (so it is parsed for calls): not with "none"."""
+        return self.choice != "none"
 
     def parser(self) -> ToolCallStream:
         return ToolCallStream(self.names)
@@ -163,10 +169,10 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
     "required" | ``{"type": "function", "function": {"name": ...}}`` (default "auto"), and
     ``parallel_tool_calls`` a bool (default true).
 
-    Returns None when there is nothing to do: no tools, or ``tool_choice`` "none". With "none",
-    as with OpenAI and llama-server, the caller still renders ``tools`` into the prompt (they are
-    validated here, so they are well-formed) so the model knows them, but nothing constrains or
-    parses the reply: it is all content.
+    Returns None when there are no tools. With ``tool_choice`` "none", as with OpenAI, the tools
+    are still rendered into the prompt (so the model knows them, and a conversation that used
+    them reads the same), but the reply is all content: nothing parses it for calls, and where
+    the call marker is one token the server bans it (``openai_api.requests.config_for_vocabulary``).
 
     Raises :class:`InvalidSettingError` naming the field (``tools[1].function.name must be a
     string``), with ``param`` "tools", "tool_choice" or "parallel_tool_calls". Each schema is
@@ -176,7 +182,7 @@ def parse_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = 
     parallel = _parallel(parallel_tool_calls)
     functions = _functions(tools)
     choice, forced_name = _choice(tool_choice, functions)
-    if not functions or choice == "none":
+    if not functions:
         return None
     return ToolSetup(
         tools=tuple(tools),

@@ -10,11 +10,12 @@ import json
 import numpy as np
 import pytest
 
-from cactus_edge import acceptance
+from cactus_edge import acceptance, constraints
 from cactus_edge.constraints import LogitShaper
-from cactus_edge.drafters import DraftSourceChooser
+from cactus_edge.drafters import DraftSourceChooser, process_decoded
 from cactus_edge.engine import GenerationConfig, reply_shaper
 from cactus_edge.errors import InvalidSettingError
+from cactus_edge.grammar import TokenMask
 from cactus_edge.penalties import Penalties, apply_penalties
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
@@ -62,6 +63,24 @@ def reference_penalties(logits, context, n_prompt, penalties: Penalties) -> np.n
     return out
 
 
+# --- the packed mask ------------------------------------------------------------------------------
+
+
+def test_a_packed_mask_answers_like_its_unpacked_rows_and_ignores_padding_bits():
+    rng = np.random.default_rng(3)
+    vocab_size = 1003  # not a multiple of 8 nor 32: llguidance pads the bits to whole words
+    allowed = rng.random(vocab_size) < 0.3
+    packed = np.packbits(np.concatenate([allowed, np.ones(21, dtype=bool)]), bitorder="little")
+    mask = TokenMask(packed, vocab_size)
+    np.testing.assert_array_equal(mask.allowed(), allowed)
+    np.testing.assert_array_equal(mask.allowed_ids(), np.flatnonzero(allowed))
+    assert mask.n_allowed == allowed.sum()
+    assert [mask.allows(t) for t in range(vocab_size + 5)] == [*allowed.tolist(), *[False] * 5]
+    with np.errstate(divide="ignore"):
+        np.testing.assert_array_equal(mask.additive, np.log(allowed.astype(np.float32)))
+    assert mask.additive.dtype == np.float32 and mask.additive.shape == (vocab_size,)
+
+
 # --- penalties and the shaper, alone --------------------------------------------------------------
 
 
@@ -84,8 +103,8 @@ def test_the_shaper_follows_advance_and_rewind_and_its_trigger():
         def __init__(self):
             self.consumed = []
 
-        def allowed(self):
-            return np.arange(10) < 5
+        def mask(self):
+            return TokenMask(np.packbits(np.arange(10) < 5, bitorder="little"), 10)
 
         def consume(self, token):
             self.consumed.append(token)
@@ -173,6 +192,34 @@ def test_forced_tokens_are_proposed_without_the_draft_model(engine, monkeypatch)
     assert draft_decodes == []
     assert {s.drafter for s in whole.stats.steps[1:]} == {"forced"}
     assert all(s.n_accepted == s.n_forced == s.n_draft for s in whole.stats.steps[1:])
+
+
+@pytest.mark.parametrize("wide_pool", [1, 4])  # 1: the wide shortcut never settles a row
+@pytest.mark.parametrize("narrow", ["none", "some", "all"])
+def test_rows_settled_from_candidates_equal_whole_shaped_rows(engine, monkeypatch, narrow, wide_pool):
+    config = GenerationConfig(
+        regex=WORDS_REGEX, top_k=6, logit_bias={5: 3.0}, presence_penalty=0.7, max_tokens=8, seed=4
+    )
+    prompt = engine.tokenize_prompt(PROMPT)
+    reply = engine.generate(PROMPT, config.with_changes(method="none")).tokens
+    shaper = reply_shaper(engine, prompt, config)
+    for token in reply[:-1]:
+        shaper.advance(token)
+    sizes = sorted(shaper.mask_at(len(prompt) + i).n_allowed for i in range(len(reply)))
+    assert sizes[0] < sizes[-1]  # the positions differ, so "some" splits them
+    limit = {"none": -1, "some": sizes[len(sizes) // 2], "all": sizes[-1]}[narrow]
+    monkeypatch.setattr(constraints, "NARROW_MASK", limit)
+    monkeypatch.setattr(constraints, "WIDE_POOL", wide_pool)
+    rows = np.random.default_rng(5).standard_normal((len(reply), engine.target.vocab_size)).astype(np.float32)
+    settled = [shaper.candidates(row, len(prompt) + i, 6) is not None for i, row in enumerate(rows)]
+    if narrow == "none":  # every mask wide: the shortcut settles some rows, or none with a pool of 1
+        assert any(settled) == (wide_pool > 1)
+    expected = process_logits(shaper.shape(rows, len(prompt)), config.sampling)
+    found = process_decoded(engine.target, rows, config.sampling, None, shaper, len(prompt))
+    np.testing.assert_array_equal(found.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(found.probs, expected.probs)
+    one = process_decoded(engine.target, rows, config.sampling, 2, shaper, len(prompt) + 2)
+    np.testing.assert_array_equal(one.token_ids, expected.token_ids[2])
 
 
 def test_a_lookup_proposal_is_cut_before_the_first_token_the_grammar_refuses(engine):

@@ -24,6 +24,7 @@ from cactus_edge.openai_api import (
     create_chat_completion,
     parse_request,
 )
+from cactus_edge.openai_api.requests import config_for_vocabulary
 from cactus_edge.stats import GenerationStats
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -223,7 +224,27 @@ def test_tools_with_required_constrain_the_whole_reply_and_auto_after_the_trigge
     assert required.tools.names == ("f",) and required.config.grammar and not required.config.grammar_trigger
     auto = parse_request({"tools": tools})
     assert auto.config.grammar_trigger == "<tool_call>"
-    assert parse_request({"tools": tools, "tool_choice": "none"}).tools is None
+    none = parse_request({"tools": tools, "tool_choice": "none"})
+    assert none.tools.tools == tuple(tools) and not none.tools.calls_allowed  # rendered, never parsed
+    assert none.config.grammar is None and none.config.grammar_trigger is None
+
+
+class _MarkerEngine:
+    """Just enough engine for config_for_vocabulary: a target whose vocabulary spells the call
+    marker in ``marker_ids``."""
+
+    def __init__(self, marker_ids):
+        self.target = type("Target", (), {"tokenize": lambda _self, text, **_: list(marker_ids)})()
+
+
+def test_tool_choice_none_bans_a_one_token_call_marker_over_the_callers_bias():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = parse_request({"tools": tools, "tool_choice": "none", "logit_bias": {"7": 50, "3": 2}})
+    config = config_for_vocabulary(request, _MarkerEngine([7]))
+    assert dict(config.logit_bias) == {7: -100.0, 3: 2.0}
+    assert config.grammar is None
+    spelled_out = config_for_vocabulary(request, _MarkerEngine([1, 2, 3]))
+    assert spelled_out == request.config  # nothing to ban: the text stays all content
 
 
 # --- parse_request: refused ----------------------------------------------------------------------

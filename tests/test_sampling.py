@@ -8,6 +8,7 @@ from cactus_edge.errors import NonFiniteLogitsError
 from cactus_edge.sampling import (
     SamplingConfig,
     SparseProbs,
+    process_candidates,
     process_logits,
     row_prob,
     sample_token,
@@ -143,7 +144,7 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
     # value, ties by lower id), whatever the grouping.
     rng = np.random.default_rng(vocab_size)
     n_groups = vocab_size // 64
-    rows = rng.standard_normal((5, vocab_size)).astype(np.float32)
+    rows = rng.standard_normal((6, vocab_size)).astype(np.float32)
     rows[0, 7 + n_groups * np.arange(30)] = 50 + np.arange(30)  # one group holds them all
     rows[1, -37:] = 60.0 + np.arange(37)  # the tail (or the end of the last group)
     rows[2, rng.choice(vocab_size, 25, replace=False)] = 40.0
@@ -151,9 +152,11 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
     rows[4] = -np.inf  # finite in 3 groups only, 30 entries each: fewer groups than n_keep
     finite = np.concatenate([g + n_groups * np.arange(30) for g in (5, 9, 11)])
     rows[4, finite] = np.round(rng.standard_normal(finite.size))  # with ties
+    rows[5] = -np.inf  # fewer finite entries than n_keep, one past the last whole group
+    rows[5, [3, 64 * n_groups + 2 if vocab_size % 64 > 2 else 17, 900]] = [1.0, 2.0, 1.0]
     for n_keep in (1, 20, 50):
         ids, values = top_k_logits(rows, n_keep)
-        assert ids.shape == values.shape == (5, n_keep)
+        assert ids.shape == values.shape == (6, n_keep)
         for row, row_ids, row_values in zip(rows, ids, values, strict=True):
             assert len(set(row_ids.tolist())) == n_keep
             np.testing.assert_array_equal(row[row_ids], row_values)
@@ -226,3 +229,31 @@ def test_the_lowest_ids_at_a_tie_are_found_block_by_block(first_tie, count):
     row[first_tie::7] = -np.inf
     expected = np.flatnonzero(row == -np.inf)[:count]
     np.testing.assert_array_equal(_first_equal(row, -np.inf, count), expected)
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.greedy or c.top_k], ids=repr)
+@pytest.mark.parametrize("vocab_size", [151_936, 151_973])
+@pytest.mark.parametrize("n_allowed", [1, 3, 19, 20, 21, 500])
+def test_candidates_give_what_the_masked_row_gives(config, vocab_size, n_allowed):
+    # A grammar's narrow mask: the row is -inf outside the allowed ids. Processing the allowed
+    # entries alone must give the dense path's SparseProbs exactly: ids, order, padding, probs.
+    rng = np.random.default_rng(n_allowed * 7 + vocab_size)
+    logits = np.round(rng.standard_normal(vocab_size) * 2, 1).astype(np.float32)  # with ties
+    allowed = np.sort(rng.choice(vocab_size, n_allowed, replace=False))
+    allowed[-1] = vocab_size - 1  # one in the tail past the last whole group, where there is one
+    allowed = np.unique(allowed)
+    masked = np.full(vocab_size, -np.inf, dtype=np.float32)
+    masked[allowed] = logits[allowed]
+    expected = process_logits(masked, config)
+    found = process_candidates(allowed, logits[allowed], vocab_size, config)
+    np.testing.assert_array_equal(found.token_ids, expected.token_ids)
+    np.testing.assert_array_equal(found.probs, expected.probs)
+    assert found.vocab_size == vocab_size
+
+
+def test_candidates_refuse_nan_and_an_all_refused_row_like_the_dense_path():
+    config = SamplingConfig(temperature=0.6, top_k=20, top_p=0.95)
+    ids = np.array([3, 9], dtype=np.int64)
+    for values in ([1.0, np.nan], [1.0, np.inf], [-np.inf, -np.inf]):
+        with pytest.raises(NonFiniteLogitsError):
+            process_candidates(ids, np.array(values, dtype=np.float32), 100, config)

@@ -54,8 +54,14 @@ def calls_of(calls) -> list[tuple[str, dict]]:
 def test_no_tools_or_choice_none_means_nothing_to_do():
     assert parse_tools(None) is None
     assert parse_tools([]) is None
-    assert parse_tools(TOOLS, "none") is None
+    assert parse_tools(None, "none") is None
     assert parse_tools(None, "auto") is None
+
+
+def test_choice_none_keeps_the_tools_to_show_but_allows_no_call():
+    setup = parse_tools(TOOLS, "none")
+    assert setup.tools == tuple(TOOLS) and setup.choice == "none"
+    assert not setup.calls_allowed and not setup.constrained
 
 
 def test_a_setup_carries_the_functions_and_the_choice():

@@ -53,7 +53,7 @@ class Reply:
 
     def __init__(self, shape: ResponseShape, tools: ToolSetup | None = None, logprobs: bool = False) -> None:
         self.shape, self.tools, self.logprobs = shape, tools, logprobs
-        self.parser = tools.parser() if tools is not None and shape.chat else None
+        self.parser = tools.parser() if tools is not None and tools.calls_allowed and shape.chat else None
         self.text: list[str] = []
         self.entries: list[TokenLogprob] = []
         self._pending: list[TokenLogprob] = []  # logprobs not yet sent in a chunk

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import GenerationConfig
+from ..config import MAX_LOGIT_BIAS, GenerationConfig
 from ..errors import InvalidSettingError, UnsupportedParameterError
 from ..tools import ToolSetup, parse_tools
 
@@ -186,8 +186,8 @@ class ParsedRequest:
     include_usage: whether a stream should end with a usage chunk (``stream_options``).
     model: the requested model name, or None.
     ignored: top-level fields present in the body and ignored (documented or unknown), sorted.
-    tools: the request's tools (None without any, or with tool_choice "none"); the config then
-        holds the grammar they call for.
+    tools: the request's tools (None without any); the config then holds the grammar they call
+        for (none with tool_choice "none").
     """
 
     config: GenerationConfig
@@ -234,9 +234,16 @@ def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None)
 def config_for_vocabulary(request: ParsedRequest, engine) -> GenerationConfig:
     """The request's config with its tool grammar written for the engine's vocabulary: where the
     call marker (``<tool_call>``) is one token, as in Qwen2.5's, the grammar names that token;
-    elsewhere it spells the marker out."""
+    elsewhere it spells the marker out. With tool_choice "none" a one-token marker is banned
+    (bias -100), so a model shown the tools cannot start a call; a spelled-out one cannot be."""
     tools = request.tools
     marker_ids = engine.target.tokenize(tools.trigger, add_special=False, parse_special=True) if tools else []
+    if tools is not None and not tools.calls_allowed:
+        if len(marker_ids) != 1:
+            return request.config
+        bias = dict(request.config.logit_bias)
+        bias[marker_ids[0]] = -MAX_LOGIT_BIAS
+        return request.config.with_changes(logit_bias=bias)
     if tools is None or len(marker_ids) == 1:
         return request.config
     grammar = tools.grammar(special_markers=False) if tools.constrained else None
@@ -296,7 +303,7 @@ def _response_format_changes(response_format: Any) -> dict[str, Any]:
 def _tool_changes(tools: ToolSetup | None, changes: dict[str, Any]) -> dict[str, Any]:
     """The grammar a request's tools call for: the whole reply with "required" or a named tool;
     with "auto", what follows the trigger once the model starts a call."""
-    if tools is None:
+    if tools is None or not tools.calls_allowed:
         return {}
     for other in ("grammar", "regex"):
         if changes.get(other) is not None:
