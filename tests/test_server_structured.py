@@ -104,6 +104,19 @@ def test_a_required_or_named_tool_call_always_parses_and_validates(client, tool_
     assert not choice.message.content
 
 
+def test_tool_choice_none_shows_the_tools_and_answers_in_content(client):
+    def ask(**tools):
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, seed=4, **tools)
+
+    auto = ask(tools=[WEATHER, TIME])
+    none = ask(tools=[WEATHER, TIME], tool_choice="none")
+    # The same prompt as with "auto" (the tiny template shows no tools; Qwen's do), no call parsed.
+    assert none.usage.prompt_tokens == auto.usage.prompt_tokens
+    choice = none.choices[0]
+    assert choice.finish_reason in ("stop", "length") and not choice.message.tool_calls
+    assert choice.message.content
+
+
 def test_a_streamed_tool_call_assembles_into_the_same_shape(client):
     stream = client.chat.completions.create(
         model="tiny",
