@@ -196,9 +196,10 @@ class LogitShaper:
 
         A narrow mask (≤ NARROW_MASK tokens, most positions of a JSON reply) gives its allowed
         entries, every other being -inf. A wide one gives the allowed entries among the row's
-        own WIDE_POOL · n_keep largest, when n_keep of them lie strictly above the pool's
-        smallest value: every entry outside the pool is at most that, so the top n_keep (and
-        their order, ties included) are the same as over the shaped row."""
+        own WIDE_POOL · n_keep largest, when at least n_keep are allowed: an entry outside the
+        pool is below the pool's smallest value, or equal to it with a higher id than the pool's
+        entries there (the pool takes the lowest ids of a tie), so it sorts after all of them
+        and the top n_keep, in order, are the shaped row's."""
         mask = self.mask_at(position)
         if mask is None:
             return None
@@ -214,7 +215,7 @@ class LogitShaper:
         pool_ids, pool_values = pool_ids[0], pool_values[0]
         allowed = mask.allows_each(pool_ids)
         kept_values = pool_values[allowed]  # descending, as the pool
-        if kept_values.size < n_keep or not kept_values[n_keep - 1] > pool_values[-1]:
+        if kept_values.size < n_keep:
             return None
         kept_ids = pool_ids[allowed]
         order = np.argsort(kept_ids)

@@ -222,6 +222,42 @@ def test_rows_settled_from_candidates_equal_whole_shaped_rows(engine, monkeypatc
     np.testing.assert_array_equal(one.token_ids, expected.token_ids[2])
 
 
+class _FixedMatcher:
+    """A grammar that allows the same ids at every position."""
+
+    def __init__(self, allowed):
+        self.allowed_row, self.consumed = allowed, []
+
+    def mask(self):
+        return TokenMask(np.packbits(self.allowed_row, bitorder="little"), self.allowed_row.size)
+
+    def consume(self, token):
+        self.consumed.append(token)
+
+
+def test_a_wide_mask_that_refuses_the_rows_top_entries_still_gives_the_shaped_rows_answer(monkeypatch):
+    # The raw rows' largest entries are mostly refused, so the allowed top k often lies outside
+    # the pool of the row's 4k largest: the shortcut must see that and shape the row whole.
+    vocab_size, sampling = 4096, SamplingConfig(temperature=0.8, top_k=8, top_p=0.95)
+    rng = np.random.default_rng(11)
+    allowed = rng.random(vocab_size) < 0.6
+    monkeypatch.setattr(constraints, "NARROW_MASK", 16)  # every mask here is wide
+    shaper = LogitShaper([1, 2], new_matcher=lambda: _FixedMatcher(allowed))
+    # Coarse values: many ties, some at the pool's smallest value (where only ids decide).
+    rows = (np.round(rng.standard_normal((40, vocab_size)) * 4) / 4).astype(np.float32)
+    refused = np.flatnonzero(~allowed)
+    for index, row in enumerate(rows):
+        row[rng.choice(refused, 2 + index, replace=False)] += 6.0  # 2..41 refused entries on top
+    settled = 0
+    for row in rows:
+        expected = process_logits(shaper.shape(row, 2), sampling)
+        settled += shaper.candidates(row, 2, sampling.top_k) is not None
+        found = process_decoded(None, row, sampling, None, shaper, 2)
+        np.testing.assert_array_equal(found.token_ids, expected.token_ids)
+        np.testing.assert_array_equal(found.probs, expected.probs)
+    assert 0 < settled < len(rows)  # both the shortcut and the fallback ran
+
+
 def test_a_lookup_proposal_is_cut_before_the_first_token_the_grammar_refuses(engine):
     config = GenerationConfig(regex=WORDS_REGEX)
     prompt = engine.tokenize_prompt(PROMPT)

@@ -24,6 +24,7 @@ from cactus_edge.openai_api import (
     create_chat_completion,
     parse_request,
 )
+from cactus_edge.openai_api.replies import Reply
 from cactus_edge.openai_api.requests import config_for_vocabulary
 from cactus_edge.stats import GenerationStats
 
@@ -235,6 +236,25 @@ class _MarkerEngine:
 
     def __init__(self, marker_ids):
         self.target = type("Target", (), {"tokenize": lambda _self, text, **_: list(marker_ids)})()
+
+
+def test_with_tool_choice_none_a_call_in_the_text_stays_content():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    bodies = {}
+    for choice in ("none", "auto"):
+        reply = Reply(
+            ResponseShape.new(chat=True, model="m"),
+            parse_request({"tools": tools, "tool_choice": choice}).tools,
+        )
+        final = StreamEvent(text, None, False, 0, "stop", GenerationStats(method="none", lossy=False))
+        bodies[choice] = reply.complete(final, {})
+    none, auto = (bodies[c]["choices"][0] for c in ("none", "auto"))
+    assert none["message"]["content"] == text and "tool_calls" not in none["message"]
+    assert none["finish_reason"] == "stop"
+    assert (
+        auto["finish_reason"] == "tool_calls" and auto["message"]["tool_calls"][0]["function"]["name"] == "f"
+    )
 
 
 def test_tool_choice_none_bans_a_one_token_call_marker_over_the_callers_bias():

@@ -241,6 +241,7 @@ def test_candidates_give_what_the_masked_row_gives(config, vocab_size, n_allowed
     logits = np.round(rng.standard_normal(vocab_size) * 2, 1).astype(np.float32)  # with ties
     allowed = np.sort(rng.choice(vocab_size, n_allowed, replace=False))
     allowed[-1] = vocab_size - 1  # one in the tail past the last whole group, where there is one
+    allowed[0] = 2  # a low id: padding must skip it (the lowest ids at -inf, not 0, 1, 2, ...)
     allowed = np.unique(allowed)
     masked = np.full(vocab_size, -np.inf, dtype=np.float32)
     masked[allowed] = logits[allowed]
