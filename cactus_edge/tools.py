@@ -109,7 +109,9 @@ class ToolSetup:
             return None
         opener = _marker(call_open, special_markers)
         closer = _marker(call_close, special_markers)
-        start = "start: call\n" if not self.parallel else 'start: call ("\\n" call)*\n'
+        # A newline may end the calls: Qwen writes one before <|im_end|>; a grammar that took a
+        # newline only as the start of another call forced a 1.5B model into call after call.
+        start = "start: call\n" if not self.parallel else 'start: call ("\\n" call)* "\\n"?\n'
         return start + f'call: {opener} "\\n" body "\\n" {closer}\n' + self._bodies()
 
     def grammar_after_trigger(
@@ -125,7 +127,7 @@ class ToolSetup:
         if not self.parallel:
             return f'start: "\\n" body "\\n" {closer}\n' + self._bodies()
         opener = _marker(call_open, special_markers)
-        start = f'start: "\\n" body "\\n" {closer} ("\\n" call)*\n'
+        start = f'start: "\\n" body "\\n" {closer} ("\\n" call)* "\\n"?\n'
         return start + f'call: {opener} "\\n" body "\\n" {closer}\n' + self._bodies()
 
     def _bodies(self) -> str:

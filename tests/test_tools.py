@@ -228,6 +228,16 @@ def test_parallel_calls_only_when_allowed(tokenizer):
     assert not accepts(tokenizer, parse_tools(TOOLS, "required", False).grammar(), two)
 
 
+def test_parallel_calls_may_end_with_a_newline(tokenizer):
+    # Qwen writes "\n" before <|im_end|>; if a newline could only start another call, the grammar
+    # forced a 1.5B model into call after call until max_tokens (4 of 4 replies, measured).
+    one = call_ids("search", '{"q": "a"}') + ids("\n")
+    assert accepts(tokenizer, parse_tools(TOOLS, "required", True).grammar(), one)
+    rest = ids('\n{"name": "search", "arguments": {}}\n', CALL_CLOSE_ID, "\n")
+    assert accepts(tokenizer, parse_tools(TOOLS, "auto", True).grammar_after_trigger(), rest)
+    assert not accepts(tokenizer, parse_tools(TOOLS, "required", True).grammar(), one + ids("more"))
+
+
 def test_a_named_choice_allows_only_that_function(tokenizer):
     grammar = parse_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}).grammar()
     assert accepts(tokenizer, grammar, call_ids("get_weather", '{"city": "Rome"}'))
