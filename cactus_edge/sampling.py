@@ -243,11 +243,8 @@ def process_candidates(
     alone: the same SparseProbs (ids, order and padding included) without a pass over V. For
     a grammar's narrow masks; only where :func:`has_candidate_path` holds."""
     values = np.asarray(candidate_logits)
-    if values.size and not (np.isfinite(values) | (values == -np.inf)).all():
-        raise NonFiniteLogitsError("non-finite logits (NaN or inf) in row 0", row=0)
+    _check_finite(np.array([values.max() if values.size else -np.inf]))  # NaN, +inf, or none finite
     finite = values > -np.inf
-    if not finite.any():
-        raise NonFiniteLogitsError("non-finite logits (NaN or inf) in row 0", row=0)
     ids, values = candidate_ids[finite], values[finite]
     if not config.greedy and ids.size > 2 * config.top_k:
         # Keep the entries at or above the k-th largest (ties included) before sorting.
