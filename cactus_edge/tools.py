@@ -88,7 +88,7 @@ class ToolSetup:
         return self.choice != "none"
 
     def parser(self) -> ToolCallStream:
-        return ToolCallStream(self.names)
+        return ToolCallStream(self.names, calls_only=self.constrained)
 
     def grammar(
         self,
@@ -375,7 +375,9 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def parse_tool_calls(text: str, tool_names: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, tool_names: Iterable[str], *, calls_only: bool = False
+) -> tuple[str | None, list[ToolCall]]:
     """A finished reply as (content, calls), in OpenAI's message shape.
 
     Calls are recognised in the Hermes form (``<tool_call>{json}</tool_call>``, any number,
@@ -387,9 +389,18 @@ def parse_tool_calls(text: str, tool_names: Iterable[str]) -> tuple[str | None, 
     anything else in it, an unknown name included, is not a call and stays in the content as
     written. A closing marker may be missing at the very end of the reply.
 
+    A reply that ends inside a call (``max_tokens`` cut it, or the model stopped there) drops that
+    call: the calls before it count, and its unfinished text is neither a call nor content. It
+    ended inside a call when the held object starts ``{"name": "<known tool>"`` and is the start
+    of some valid JSON, or when a ``<tool_call>`` marker is followed only by the start of such a
+    head (or nothing).
+
     Content is the text around the calls, stripped, or None when nothing else remains.
+    ``calls_only``: the reply was constrained to calls (``tool_choice`` "required" or a named
+    function), so whatever is not a complete call is one cut short (even inside its marker, where
+    a tokenizer spells it in pieces): no content at all.
     """
-    stream = ToolCallStream(tool_names)
+    stream = ToolCallStream(tool_names, calls_only=calls_only)
     events = stream._settle(text, final=True)
     content = "".join(event for event in events if isinstance(event, str))
     return content or None, [event for event in events if isinstance(event, ToolCall)]
@@ -403,11 +414,12 @@ class ToolCallStream:
     until it is settled, so markup never reaches the content. A call is emitted once its block is
     complete: a first fragment with id and name, then one with all its arguments. Whitespace
     is held too: dropped at the start and the end of the reply, so the concatenated content is
-    exactly :func:`parse_tool_calls`'s.
+    exactly :func:`parse_tool_calls`'s (``calls_only`` as there).
     """
 
-    def __init__(self, tool_names: Iterable[str]) -> None:
+    def __init__(self, tool_names: Iterable[str], *, calls_only: bool = False) -> None:
         self._names = frozenset(tool_names)
+        self._calls_only = calls_only
         self._text = ""  # received, not yet settled
         self._block: _Block | None = None  # the candidate call block _text starts with
         self._space = ""  # trailing whitespace of the content so far, held
@@ -453,6 +465,8 @@ class ToolCallStream:
         return True
 
     def _content(self, text: str, events: list[str | ToolCall]) -> None:
+        if self._calls_only:
+            return  # the grammar allowed nothing but calls: this is one cut short
         pending = self._space + text
         body = pending.rstrip()
         if not body:
@@ -486,6 +500,7 @@ _CLOSERS = {CALL_OPEN: CALL_CLOSE, "<tools>": "</tools>", "```": "```"}
 _FENCE_LANGUAGES = ("", "json", "tool_call")
 _MORE = object()  # cannot tell yet
 _NOT_A_CALL = object()
+_CUT = object()  # the reply ended inside a call: drop it
 _SPACE = " \t\r\n"
 
 
@@ -540,6 +555,8 @@ class _Block:
         while True:
             if self.reader is not None:
                 outcome = self.reader.advance(text, final)
+                if outcome is _CUT:
+                    return len(text)  # the calls before it stand; the rest goes
                 if not isinstance(outcome, tuple):
                     return outcome
                 self.pos, call = outcome
@@ -577,43 +594,50 @@ class _Block:
         rest = text[position:]
         if rest.startswith("{"):
             self.pos = position
-            self.reader = _ObjectReader(position, self.names)
+            self.reader = _ObjectReader(position, self.names, marked=self.opener == CALL_OPEN)
             return None
         if self.calls and self.closer and rest.startswith(self.closer):
             return position + len(self.closer)
         if not final and (not rest or (self.calls and self.closer.startswith(rest))):
             return _MORE
-        # A call whose closing marker never came, at the very end of the reply, still counts.
-        return position if final and not rest and self.calls else _NOT_A_CALL
+        # A call whose closing marker never came, at the very end of the reply, still counts; a
+        # call marker with nothing after it is a call cut before it began.
+        if final and not rest and (self.calls or self.opener == CALL_OPEN):
+            return position
+        return _NOT_A_CALL
 
 
 class _ObjectReader:
     """Reads one JSON object starting at ``start``: refuses it as soon as its head cannot be
-    ``{"name": "<known tool>"``, and finds its end incrementally (strings and nesting tracked)."""
+    ``{"name": "<known tool>"``, and finds its end incrementally (strings and nesting tracked).
+    ``marked``: the object follows a ``<tool_call>`` marker, so a head cut short is a call's."""
 
     _STRUCTURE = re.compile(r'["{}\[\]]')
     _IN_STRING = re.compile(r'["\\]')
 
-    def __init__(self, start: int, names: frozenset[str]) -> None:
+    def __init__(self, start: int, names: frozenset[str], *, marked: bool = False) -> None:
         self.start = start
         self.names = names
+        self.marked = marked
         self.pos = start
-        self.depth = 0
+        self.open = ""  # the brackets open at pos, innermost last
         self.in_string = False
         self.head_known = False
 
     def advance(self, text: str, final: bool) -> Any:
-        """_MORE, _NOT_A_CALL, or (end, (name, arguments))."""
+        """_MORE, _NOT_A_CALL, _CUT (only when ``final``), or (end, (name, arguments))."""
         if not self.head_known:
             verdict = _head_verdict(text[self.start :], self.names)
             if verdict is None:
-                return _NOT_A_CALL if final else _MORE
+                return (_CUT if self.marked else _NOT_A_CALL) if final else _MORE
             if not verdict:
                 return _NOT_A_CALL
             self.head_known = True
         end = self._scan(text)
         if end is None:
-            return _NOT_A_CALL if final else _MORE
+            if not final:
+                return _MORE
+            return _CUT if self._is_cut_json(text[self.start :]) else _NOT_A_CALL
         call = _call_from_json(text[self.start : end], self.names)
         return _NOT_A_CALL if call is None else (end, call)
 
@@ -636,11 +660,38 @@ class _ObjectReader:
             elif char == '"':
                 self.in_string = True
             elif char in "{[":
-                self.depth += 1
+                self.open += char
             else:
-                self.depth -= 1
-                if self.depth == 0:
+                self.open = self.open[:-1]
+                if not self.open:
                     return self.pos
+
+    def _is_cut_json(self, text: str) -> bool:
+        """Whether ``text`` (scanned to its end, no object end found) is the start of some valid
+        JSON: one of the few completions a cut can need, then the open strings and brackets
+        closed, parses. Malformed text the model went on after is no cut call."""
+        closers = "".join("}" if bracket == "{" else "]" for bracket in reversed(self.open))
+        string_ends = _STRING_ENDS if self.in_string else ("",)
+        return any(
+            _parses(text + string_end + value_end + closers)
+            for string_end in string_ends
+            for value_end in _VALUE_ENDS
+        )
+
+
+# What a valid JSON text cut at any point needs before its brackets close: inside a string, an
+# escape's rest and the quote; then nothing, a key's colon and value, a value, or a cut literal's
+# or number's rest.
+_STRING_ENDS = ('"', 'n"', '0000"', '000"', '00"', '0"')
+_VALUE_ENDS = ("", ":0", '"":0', "0", "rue", "ue", "e", "ull", "ll", "l", "alse", "lse", "se")
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text, parse_constant=_refuse_constant)
+    except ValueError:
+        return False
+    return True
 
 
 def _head_verdict(head: str, names: frozenset[str]) -> bool | None:

@@ -148,6 +148,25 @@ def test_a_streamed_tool_call_assembles_into_the_same_shape(client):
     assert "city" in json.loads(calls[0]["arguments"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_is_dropped_not_left_in_content(client, stream):
+    """A required call cut short: finish_reason length, no call, and none of its markup in the
+    content (the unfinished call is neither), streamed or whole."""
+    settings = dict(model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="required", seed=2)
+    cut = client.chat.completions.create(**settings, max_tokens=6, stream=stream, extra_body=SPEC)
+    if stream:
+        chunks = [chunk.choices[0] for chunk in cut if chunk.choices]
+        content = "".join(choice.delta.content or "" for choice in chunks)
+        calls = [fragment for choice in chunks for fragment in choice.delta.tool_calls or []]
+        finish = chunks[-1].finish_reason
+    else:
+        message, finish = cut.choices[0].message, cut.choices[0].finish_reason
+        content, calls = message.content, message.tool_calls or []
+    assert finish == "length" and calls == [] and content == ""
+    whole = client.chat.completions.create(**settings, max_tokens=120, extra_body=SPEC)
+    assert whole.choices[0].finish_reason == "tool_calls"  # the same call, let finish
+
+
 def test_a_tool_result_round_trip_renders_and_answers(client):
     first = client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=120, seed=3

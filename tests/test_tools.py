@@ -349,7 +349,9 @@ REFUSED_FORMS = [
     '{"name": "get_weather", "arguments": [1]}',
     '{"name": "get_weather", "arguments": "not json"}',
     '{"name": "get_weather", "arguments": {"x": NaN}}',
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut inside the JSON
+    # malformed, then more text: not a call cut by the end of the reply
+    '<tool_call>\n{"name": "search", "arguments": {"q": "x"} and so on',
+    '{"name": "search", "arguments": {"q": "x"} and then prose',
     '<tool_call>\n{"name": "search", "arguments": {}}\nand text instead of the close',
     "<tool_call></tool_call>",
     '{"name": "search", "name": "delete_everything", "arguments": {}}',  # JSON keeps the last name
@@ -360,6 +362,52 @@ REFUSED_FORMS = [
 @pytest.mark.parametrize("text", REFUSED_FORMS)
 def test_anything_else_stays_content_as_written(text):
     assert parse_tool_calls(text, NAMES) == (text.strip(), [])
+
+
+# A reply that ends inside a call: the call is dropped (never content), the ones before it stand.
+CUT_FORMS = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),
+    ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"days": 3', "Checking.", []),
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "a \\', None, []),
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "\\u00', None, []),
+    ('<tool_call>\n{"name": "search", "arguments": {"n": [1, tr', None, []),
+    ('<tool_call>\n{"name": "search", "arguments": {"n": -', None, []),
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "x", "k"', None, []),
+    ('<tool_call>\n{"name": "search", "arguments": {"q": "x",', None, []),
+    ('<tool_call>\n{"name": "sea', None, []),
+    ("<tool_call>\n", None, []),
+    ('{"name": "search", "arguments": {', None, []),
+    ('```json\n{"name": "search"', None, []),
+    (PARIS_JSON + '\n{"name": "search", "arguments": {"q": "x', None, [PARIS]),
+    (hermes("search", "{}") + '\n<tool_call>\n{"name": "get_weather", ', None, [("search", {})]),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CUT_FORMS)
+def test_a_call_the_reply_ended_inside_is_dropped(text, content, calls):
+    parsed_content, parsed_calls = parse_tool_calls(text, NAMES)
+    assert (parsed_content, calls_of(parsed_calls)) == (content, calls)
+    assert stream_result(streamed(text, list(range(len(text))))) == (content, calls)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_c",
+        hermes("search", "{}") + "\n<tool_ca",
+        '<tool_call>\n{"name": "search", "argu',
+        "<tool_call>\n",
+    ],
+)
+def test_a_reply_constrained_to_calls_has_no_content(text):
+    """Under tool_choice required (calls_only) the grammar allows nothing but calls: a marker cut
+    in pieces (a tokenizer without a one-token <tool_call>) is no content either."""
+    expected = [("search", {})] if text.startswith(hermes("search", "{}")) else []
+    content, calls = parse_tool_calls(text, NAMES, calls_only=True)
+    assert (content, calls_of(calls)) == (None, expected)
+    stream = ToolCallStream(NAMES, calls_only=True)
+    deltas = [delta for char in text for delta in stream.feed(char)] + stream.finish()
+    assert stream_result(deltas) == (None, expected)
 
 
 def test_only_known_names_count():

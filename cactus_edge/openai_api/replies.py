@@ -77,11 +77,13 @@ class Reply:
         content: str | None = text
         calls: list[dict] = []
         if self.parser is not None:
-            content, parsed = parse_tool_calls(text, self.tools.names)
+            # The stream's content exactly; null beside calls only (a message without any has text).
+            content, parsed = parse_tool_calls(text, self.tools.names, calls_only=self.tools.constrained)
             calls = [call.to_openai() for call in parsed]
+            content = content if calls else content or ""
         if calls and finish == "stop":
             finish = "tool_calls"
-        body = self.shape.complete(content if calls else text, final.finish_reason, blocks)
+        body = self.shape.complete(content, final.finish_reason, blocks)
         choice = body["choices"][0]
         choice["finish_reason"] = finish
         if calls:

@@ -149,7 +149,7 @@ class ResponseShape:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    def complete(self, text: str, finish_reason: FinishReason | None, blocks: dict) -> dict:
+    def complete(self, text: str | None, finish_reason: FinishReason | None, blocks: dict) -> dict:
         """The whole response: ``text`` and how the generation ended (the engine's reason)."""
         finish = openai_finish(finish_reason)
         if self.chat:
