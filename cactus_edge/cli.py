@@ -1026,6 +1026,8 @@ def serve(model, system, as_json, **flags) -> None:
     from .server import ServerSettings, run, setting_flags
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # One line per new grammar, with its compile time: what a slow first structured request paid.
+    logging.getLogger("cactus_edge.grammar").setLevel(logging.INFO)
     config = build_config(**flags)
     chosen = {flag.field: flags[flag.field] for flag in setting_flags()}
     chosen["model_name"] = chosen["model_name"] or _served_model_name(model)

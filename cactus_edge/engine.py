@@ -250,9 +250,9 @@ class Engine:
         with self._life.prompt_operation():
             return self.prompts.tokenize_prompt(prompt, chat=chat)
 
-    def warm_up(self) -> None:
-        """Page the weights in, build the graphs, calibrate `auto` (:func:`warm_up`)."""
-        warm_up(self)
+    def warm_up(self, grammars: bool = False) -> None:
+        """Page the weights in, build the graphs, calibrate `auto`; ``grammars``: see :func:`warm_up`."""
+        warm_up(self, grammars)
 
     # --- generation ------------------------------------------------------------------------------
 
@@ -591,11 +591,18 @@ class _Generation:
             self.draft.truncate(base + n_accepted)
 
 
-def warm_up(engine: Engine) -> None:
+def warm_up(engine: Engine, grammars: bool = False) -> None:
     """A short fixed-k generation pages the weights in and builds the compute graphs; its cold
     timings are then forgotten (they would skew the cost table), and a 2-token `auto` generation
     measures the batch costs `auto` needs (:func:`calibrate`, after its first token). The caches
-    keep a short prompt; no acceptance rate is learnt."""
+    keep a short prompt; no acceptance rate is learnt.
+
+    ``grammars``: also build the grammar tokenizer index (:meth:`CompiledGrammars.prepare`), as a
+    server does before it says it is ready: otherwise the first constrained request builds it,
+    holding Python's GIL (and a server's event loop) for most of a second."""
+    if grammars:
+        with engine._life.prompt_operation():
+            engine.grammars.prepare()
     drafter = "model" if engine.draft else "lookup"
     engine.generate("Hello", GenerationConfig(method="sps", n_draft=2, drafter=drafter, max_tokens=4, seed=0))
     engine.reset_estimates()

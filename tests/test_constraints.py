@@ -430,3 +430,28 @@ def test_a_forced_only_block_teaches_auto_nothing_about_its_lookup_guess():
     proposal = Proposal(tokens=[5], rows=[None], n_forced=1, guess=[7], lookup_source="lookup/2")
     planner.learn(proposal, (1.0,), emitted_first=5)
     assert planner.trackers == {}
+
+
+def test_the_tokenizer_index_is_built_once_and_each_compile_is_timed(tiny_pair, monkeypatch):
+    """warm_up(grammars=True) builds the index up front (a server does, so no request pays it),
+    and only once; each grammar's compile time is kept beside it."""
+    import llguidance.llamacpp
+
+    from cactus_edge.engine import Engine
+    from cactus_edge.grammar import grammar_source
+
+    builds = []
+    build = llguidance.llamacpp.lltokenizer_from_vocab
+    monkeypatch.setattr(
+        llguidance.llamacpp, "lltokenizer_from_vocab", lambda *a, **k: builds.append(1) or build(*a, **k)
+    )
+    with Engine.load(None, str(tiny_pair[1]), n_ctx=128) as engine:
+        grammars = engine.grammars
+        assert grammars.tokenizer_ms is None and not builds
+        engine.warm_up(grammars=True)
+        index_ms = grammars.tokenizer_ms
+        assert index_ms is not None and index_ms > 0 and len(builds) == 1
+        engine.check_request([1, 2], GenerationConfig(method="none", regex="[a-c]{1,4}"))
+        source = grammar_source(None, None, "[a-c]{1,4}")
+        assert set(grammars.compile_ms) == {source} and grammars.compile_ms[source] > 0
+        assert grammars.tokenizer_ms == index_ms and len(builds) == 1

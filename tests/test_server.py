@@ -686,14 +686,15 @@ def test_sigterm_mid_stream_exits_0(tiny_pair):
 
 
 def test_run_warms_the_engine_up_before_announcing():
-    """`serve` calibrates `auto` before it says it is ready, so no request pays for it."""
+    """`serve` calibrates `auto` and builds the grammar tokenizer index before it says it is
+    ready, so no request pays for them (the index build would stall the event loop)."""
     from cactus_edge.server import run
 
     calls = []
 
     class FakeEngine:
-        def warm_up(self):
-            calls.append("warm_up")
+        def warm_up(self, grammars=False):
+            calls.append(("warm_up", grammars))
 
         def close(self, wait=5.0):
             calls.append("close")
@@ -703,10 +704,10 @@ def test_run_warms_the_engine_up_before_announcing():
         os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: `run` returns
 
     run(FakeEngine, ServerSettings(port=0), announce)
-    assert calls == ["warm_up", "announce", "close"]
+    assert calls == [("warm_up", True), "announce", "close"]
 
     class BrokenEngine(FakeEngine):
-        def warm_up(self):
+        def warm_up(self, grammars=False):
             raise RuntimeError("warm-up failed")
 
     calls.clear()

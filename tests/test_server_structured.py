@@ -2,6 +2,7 @@
 client over loopback against `cactus-edge serve` on the tiny pair (random weights: the grammar,
 not the model, makes the answers valid)."""
 
+import asyncio
 import json
 
 import openai
@@ -165,6 +166,29 @@ def test_a_call_cut_by_max_tokens_is_dropped_not_left_in_content(client, stream)
     assert finish == "length" and calls == [] and content == ""
     whole = client.chat.completions.create(**settings, max_tokens=120, extra_body=SPEC)
     assert whole.choices[0].finish_reason == "tool_calls"  # the same call, let finish
+
+
+def test_the_engine_checks_a_request_off_the_event_loop(server, client, monkeypatch):
+    """Engine.check_request compiles a new grammar (seconds for a big schema, more on the first
+    with the tokenizer index): it must not run on the loop that serves every other stream."""
+    engine, on_the_loop = server.app.engine, []
+    check = engine.check_request
+
+    def recording_check(prompt_tokens, config):
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(True)
+        except RuntimeError:  # no loop runs in this thread
+            on_the_loop.append(False)
+        return check(prompt_tokens, config)
+
+    monkeypatch.setattr(engine, "check_request", recording_check)
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}}
+    completion = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, response_format=schema, max_tokens=8, extra_body=SPEC
+    )
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert on_the_loop and not any(on_the_loop)  # the admission check, then stream()'s own
 
 
 def test_a_tool_result_round_trip_renders_and_answers(client):

@@ -23,8 +23,9 @@ from .scheduler import Job, Place, Scheduler
 from .settings import MODEL_ALIAS, ServerSettings
 from .streaming import respond
 
-# Prompts are tokenized one at a time: each takes a core for as long as its text is long (a
-# chat template render and llama.cpp's tokenizer), and the running generation needs the cores.
+# Prompts are tokenized (and new grammars compiled) one at a time: each takes a core for as long
+# as its text is long (a chat template render and llama.cpp's tokenizer), and the running
+# generation needs the cores.
 # How many wait is bounded by the queue's places.
 TOKENIZE_SLOTS = 1
 
@@ -80,8 +81,13 @@ class Admission:
         tools = request.tools.tools if request.tools is not None and chat else None
         prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots, tools)
         config = config_for_vocabulary(request, engine)
-        config = self._fit(engine, config, body, prompt, "messages" if chat else "prompt")
-        return request, Job(prompt, config, asyncio.get_running_loop(), ticket, arrived)
+        loop = asyncio.get_running_loop()
+        # In a worker thread, as tokenizing is: a new grammar's compile takes up to seconds (the
+        # first one also builds the tokenizer index), and the loop serves the running streams.
+        async with self._tokenize_slots:
+            prompt_param = "messages" if chat else "prompt"
+            config = await loop.run_in_executor(None, self._fit, engine, config, body, prompt, prompt_param)
+        return request, Job(prompt, config, loop, ticket, arrived)
 
     def _fit(
         self, engine, config: GenerationConfig, body: Mapping, prompt: list[int], prompt_param: str

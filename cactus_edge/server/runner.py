@@ -145,7 +145,8 @@ def run(
     install_signals: bool = True,
 ) -> None:
     """What `cactus-edge serve` does: listen at once (/health answers 503 while loading), load and
-    warm up the engine (the first request should not pay auto's calibration), announce, serve
+    warm up the engine (the first request should not pay auto's calibration) and build its grammar
+    tokenizer index, announce, serve
     until SIGINT/SIGTERM, then stop accepting, cancel the running generation, close the engine
     and return."""
     import signal
@@ -169,7 +170,7 @@ def run(
         server.start()
         engine = load_engine()
         if not stop.is_set():
-            engine.warm_up()
+            engine.warm_up(grammars=True)  # the grammar index too: off the first structured request
         if not stop.is_set():
             app.attach(engine)
             announce(server)
