@@ -211,6 +211,19 @@ def _process_shaped(rows: np.ndarray, sampling, shaper, position: int) -> ProbRo
     )
 
 
+def _never(token: int) -> bool:
+    return False
+
+
+def through_first_end(tokens: list[int], is_end: Callable[[int], bool]) -> list[int]:
+    """``tokens`` up to and including the first end-of-generation one (a lookup continuation
+    that runs on past an <|im_end|> earlier in the chat): no draft after it can be emitted."""
+    for index, token in enumerate(tokens):
+        if is_end(token):
+            return tokens[: index + 1]
+    return tokens
+
+
 class ModelDrafter:
     """Samples drafts from the draft model with the shared logit processing.
 
@@ -227,11 +240,13 @@ class ModelDrafter:
         costs: CostModel,
         profile: StepProfiler,
         shaper=None,
+        is_end: Callable[[int], bool] = _never,
     ):
         self.draft, self.vocab_size = draft, target_vocab_size
         self.sampling, self.p_min = config.sampling, config.p_min
         self.rng, self.costs, self.profile = rng, costs, profile
         self.shaper = shaper  # follows each drafted token, so row i is shaped after d_<i
+        self.is_end = is_end  # the target's end-of-generation test: a block ends at such a draft
 
     def catch_up_length(self, committed: Sequence[int]) -> int:
         """Committed tokens the draft has not been fed, besides the last one."""
@@ -307,7 +322,8 @@ class ModelDrafter:
             tokens.append(token)
             rows.append(row)
             followed = index < len(guided) and token == guided[index]
-            if self.p_min and row_prob(row, token) < self.p_min:
+            # Drafts after an end of generation would never be emitted, whatever the verdicts.
+            if self.is_end(token) or (self.p_min and row_prob(row, token) < self.p_min):
                 return n_followed + followed, len(tokens)
             if not followed or len(tokens) == n_draft:
                 # Rows after this one are conditioned on a token we did not draw (or not needed).
@@ -348,9 +364,10 @@ class DraftSourceChooser:
         lookup: LookupDrafter,
         profile: StepProfiler,
         shaper=None,
+        is_end: Callable[[int], bool] = _never,
     ):
         self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
-        self.profile, self.shaper = profile, shaper
+        self.profile, self.shaper, self.is_end = profile, shaper, is_end
 
     def propose(self, committed: list[int], room: int, horizon: float = 0.0) -> Proposal:
         """This step's drafts (≤ room tokens); ``horizon``: tokens the reply may still draft for.
@@ -384,7 +401,7 @@ class DraftSourceChooser:
         if room == 0:
             return Proposal()
         found, lookup_source = self.lookup.find(committed, room)
-        found = self.follow(found)
+        found = self.follow(through_first_end(found, self.is_end))
         self.profile.lap("lookup")
         if self.name != "model" and found:
             n_draft = self.planner.plan(len(found), lookup_source)

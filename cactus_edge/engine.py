@@ -333,9 +333,10 @@ def _drafter(generation: _Generation, shaper: LogitShaper | None) -> DraftSource
     """Where a generation's drafts come from: the model (if it uses one) and lookup."""
     config, costs, profile = generation.config, generation.engine.costs, generation.profile
     vocab, draft = generation.target.vocab_size, generation.draft
-    model = draft and ModelDrafter(draft, vocab, config, generation.rng, costs, profile, shaper)
+    is_end = generation.target.is_end_of_generation  # a block ends at a drafted end of generation
+    model = draft and ModelDrafter(draft, vocab, config, generation.rng, costs, profile, shaper, is_end)
     return DraftSourceChooser(
-        config.drafter, generation.planner, model, LookupDrafter(vocab), profile, shaper
+        config.drafter, generation.planner, model, LookupDrafter(vocab), profile, shaper, is_end
     )
 
 

@@ -532,3 +532,52 @@ def test_warm_up_without_a_draft_model_calibrates_the_target(tiny_pair):
     with Engine.load(None, str(tiny_pair[1]), n_ctx=512) as engine:
         engine.warm_up()
         assert engine.costs.calibrated == {"target"} and not engine.costs.draft.by_size
+
+
+def _proposals(engine, prompt, config, monkeypatch, end: tuple[int, int] | None = None) -> list[list[int]]:
+    """Each step's proposed tokens (the prefill's empty one first); caches cleared first, so two
+    runs draft alike until they differ. ``end`` = (step, token): from that step on, ``token`` is
+    an end of generation for the target (before it, nothing is: the runs agree up to there)."""
+    from cactus_edge.drafters import DraftSourceChooser
+
+    proposals: list[list[int]] = []
+    armed: list[bool] = []  # set as the step end[0] starts proposing
+    propose = DraftSourceChooser.propose
+
+    def spy(self, *args, **kwargs):
+        if end is not None and len(proposals) == end[0]:
+            armed.append(True)
+        proposal = propose(self, *args, **kwargs)
+        proposals.append(list(proposal.tokens))
+        return proposal
+
+    def is_end(token: int) -> bool:
+        return bool(armed) and token == end[1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DraftSourceChooser, "propose", spy)
+        patch.setattr(engine.target, "is_end_of_generation", is_end)
+        engine.clear_caches()
+        engine.generate(prompt, config)
+    return proposals
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_a_block_ends_at_a_drafted_end_of_generation(tiny_pair, monkeypatch, drafter):
+    """Drafts after an end-of-generation token can never be emitted: the model stops drafting at
+    one, and a lookup continuation (which may run on past an <|im_end|> earlier in a chat) is cut
+    after it. A token some block proposes before its last draft is declared an end of generation
+    from that step on: the same block is then proposed up to that token, and no further."""
+    config = GenerationConfig(
+        method="sps", n_draft=8, drafter=drafter, temperature=0.0, max_tokens=40, seed=0
+    )
+    with Engine.load(str(tiny_pair[1]), str(tiny_pair[1]), n_ctx=256) as engine:  # drafts = greedy
+        said = engine.tokenize_prompt(PROMPT) * 3  # something for lookup to find
+        before = _proposals(engine, said, config, monkeypatch)
+        step = next((i for i, tokens in enumerate(before) if len(tokens) >= 2), None)
+        assert step is not None, f"no block of two drafts or more to test with: {before}"
+        block = before[step]
+        index = max(i for i in range(len(block) - 1) if block[i] not in block[:i])
+        after = _proposals(engine, said, config, monkeypatch, end=(step, block[index]))
+    assert after[:step] == before[:step]
+    assert after[step] == block[: index + 1]
