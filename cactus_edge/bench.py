@@ -244,7 +244,9 @@ def compile_constraints(engine: Engine, prompts: list[dict], settings: dict) -> 
     constrained = [entry for entry in prompts if "json_schema" in entry]
     for entry in constrained:
         prompt = engine.tokenize_chat([{"role": "user", "content": turns_of(entry)[0]}])
-        engine.check_request(prompt, GenerationConfig(**entry_settings(entry, settings)))
+        # Plain decoding's config: a grammar compiles alike for every method, and a bench of
+        # `--methods none` loads no draft model for the default drafter to need.
+        engine.check_request(prompt, GenerationConfig(**entry_settings(entry, settings), method="none"))
     return list(engine.grammars.compile_ms.values()) if constrained else []
 
 

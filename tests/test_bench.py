@@ -613,3 +613,11 @@ def test_a_structured_bench_constrains_every_variant_and_reports_forced_tokens(
     table = (out / "bench.md").read_text()
     assert "| method | constrained replies | tokens | forced tokens | forced share |" in table
     assert "| sps k=3 [model+lookup] | 1 | " in table
+
+
+def test_a_structured_bench_of_plain_decoding_alone_loads_no_draft_and_runs(tiny_args, tmp_path):
+    """`--methods none` loads no draft model; compiling the schemas up front must not ask for one
+    (the default drafter would)."""
+    flags = ["--category", "structured", "--limit", "1", "--methods", "none", "--max-tokens", "8"]
+    data = run_bench_command(tiny_args, tmp_path, *flags)
+    assert set(data["summary"]) == {"none"} and data["runs"][0]["constrained"]
