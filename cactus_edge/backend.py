@@ -74,6 +74,17 @@ def ensure_backend() -> None:
             _initialised = True
 
 
+def _decode_and_wait(ctx, batch) -> int:
+    """llama_decode, then wait for the backends to finish it: on an asynchronous backend (RPC,
+    CUDA, Metal) llama_decode may return before the compute ends (the wait otherwise happens when
+    the logits are read), and last_decode_ms is what `auto` learns batch costs from. On the CPU
+    backend the wait returns at once."""
+    status = llama_cpp.llama_decode(ctx, batch)
+    if status == 0:
+        llama_cpp.llama_synchronize(ctx)
+    return status
+
+
 class _ComputeThread:
     """The one thread per process that calls llama_decode (any future llama_encode belongs here
     too: whatever runs llama.cpp's compute graph).
@@ -534,7 +545,7 @@ class LlamaModel:
         self._batch.n_tokens = len(fed)
         start = time.perf_counter()
         try:
-            status = _COMPUTE.call(llama_cpp.llama_decode, self._ctx, self._batch)
+            status = _COMPUTE.call(_decode_and_wait, self._ctx, self._batch)
         except BaseException:
             # Interrupted (the decode has ended: call waits for it) or failed: the mirror was not
             # extended, so drop whatever the decode added. If even that fails, the next

@@ -267,3 +267,20 @@ def test_an_interrupt_is_not_lost_when_the_running_call_fails():
     assert isinstance(raised.value.__cause__, ValueError)
     with pytest.raises(ValueError):  # without an interrupt, the call's exception as it is
         _COMPUTE.call(int, "x")
+
+
+def test_decode_time_includes_waiting_for_the_backend(tiny_pair, monkeypatch):
+    """On an asynchronous backend (RPC, CUDA, Metal) llama_decode can return before the compute
+    ends; the wait for it is part of a decode's cost, which `auto` learns from last_decode_ms."""
+    import llama_cpp
+
+    synchronize = llama_cpp.llama_synchronize
+
+    def slow_synchronize(ctx):  # what a backend still computing looks like
+        time.sleep(0.05)
+        return synchronize(ctx)
+
+    with LlamaModel(tiny_pair[1], n_ctx=64) as model:
+        monkeypatch.setattr(llama_cpp, "llama_synchronize", slow_synchronize)
+        model.decode([1, 2, 3])
+        assert model.last_decode_ms >= 50
