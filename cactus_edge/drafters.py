@@ -36,6 +36,7 @@ from .sampling import (
     SparseProbs,
     fit_logits_to_vocab,
     has_candidate_path,
+    non_finite_row_error,
     process_candidates,
     process_logits,
     row_prob,
@@ -203,7 +204,7 @@ def _process_shaped(rows: np.ndarray, sampling, shaper, position: int) -> ProbRo
             else:
                 processed.append(process_candidates(*candidates, width, sampling))
         except NonFiniteLogitsError:
-            raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {index}", row=index) from None
+            raise non_finite_row_error(index) from None  # renumbered: the row of this block
     if not many:
         return processed[0]
     return SparseProbs(

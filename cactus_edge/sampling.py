@@ -392,8 +392,13 @@ def first_non_finite_row(row_maxima: np.ndarray) -> int | None:
 def _check_finite(row_maxima: np.ndarray, first_row: int = 0) -> None:
     row = first_non_finite_row(row_maxima)
     if row is not None:
-        row += first_row
-        raise NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {row}", row=row)
+        raise non_finite_row_error(row + first_row)
+
+
+def non_finite_row_error(row: int) -> NonFiniteLogitsError:
+    """The error for non-finite logits in row ``row`` of a processed block (the backend names the
+    model and cache position when it re-raises it)."""
+    return NonFiniteLogitsError(f"non-finite logits (NaN or inf) in row {row}", row=row)
 
 
 # A top-p-only row is returned sparse (its nucleus) when every row's nucleus has at most this many

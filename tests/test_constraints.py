@@ -455,3 +455,23 @@ def test_the_tokenizer_index_is_built_once_and_each_compile_is_timed(tiny_pair, 
         source = grammar_source(None, None, "[a-c]{1,4}")
         assert set(grammars.compile_ms) == {source} and grammars.compile_ms[source] > 0
         assert grammars.tokenizer_ms == index_ms and len(builds) == 1
+
+
+def test_a_non_finite_shaped_row_is_named_by_its_row_and_cache_position():
+    """A NaN among a shaped block's candidates is reported at its own row (the backend turns the
+    row into the cache position it names), whether the row was settled from candidates or whole."""
+    vocab_size, sampling = 512, SamplingConfig(temperature=0.8, top_k=8)
+    allowed = np.zeros(vocab_size, dtype=bool)
+    allowed[:40] = True  # a narrow mask: rows settle from their allowed entries
+    shaper = LogitShaper([1, 2], new_matcher=lambda: _FixedMatcher(allowed))
+    rows = np.random.default_rng(3).standard_normal((4, vocab_size)).astype(np.float32)
+    rows[2, 7] = np.nan  # an allowed entry of the third row
+
+    class Model:
+        n_past = 10
+
+        def non_finite_error(self, row, position):
+            return ValueError(f"row {row} at position {position}")
+
+    with pytest.raises(ValueError, match="row 2 at position 8"):
+        process_decoded(Model(), rows, sampling, None, shaper, 2)
