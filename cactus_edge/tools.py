@@ -376,7 +376,7 @@ def new_call_id() -> str:
 
 
 def parse_tool_calls(
-    text: str, tool_names: Iterable[str], *, calls_only: bool = False
+    text: str, tool_names: Iterable[str], *, calls_only: bool = False, cut: bool = False
 ) -> tuple[str | None, list[ToolCall]]:
     """A finished reply as (content, calls), in OpenAI's message shape.
 
@@ -387,13 +387,15 @@ def parse_tool_calls(
     ``{"name": "<one of tool_names>", "arguments": {...}}``, "name" first; "arguments" may be a
     JSON string or be called "parameters", and may be missing (no arguments). A block with
     anything else in it, an unknown name included, is not a call and stays in the content as
-    written. A closing marker may be missing at the very end of the reply.
+    written. A closing marker may be missing, or cut short, at the very end of the reply.
 
-    A reply that ends inside a call (``max_tokens`` cut it, or the model stopped there) drops that
-    call: the calls before it count, and its unfinished text is neither a call nor content. It
-    ended inside a call when the held object starts ``{"name": "<known tool>"`` and is the start
-    of some valid JSON, or when a ``<tool_call>`` marker is followed only by the start of such a
-    head (or nothing).
+    ``cut``: the generation was cut (max_tokens, a full context, a stop string, a cancel), not
+    ended by the model. A call it cut is dropped: the calls before it count, and its unfinished
+    text is neither a call nor content. It cut a call when the held object starts
+    ``{"name": "<known tool>"`` and is the start of some valid JSON, or when a ``<tool_call>``
+    marker (or an earlier call of the block) is followed only by the start of such a head, or by
+    nothing. A reply the model itself ended inside an unfinished object keeps it as content: the
+    model wrote something malformed, and the text shows what.
 
     Content is the text around the calls, stripped, or None when nothing else remains.
     ``calls_only``: the reply was constrained to calls (``tool_choice`` "required" or a named
@@ -401,7 +403,7 @@ def parse_tool_calls(
     a tokenizer spells it in pieces): no content at all.
     """
     stream = ToolCallStream(tool_names, calls_only=calls_only)
-    events = stream._settle(text, final=True)
+    events = stream._settle(text, final=True, cut=cut)
     content = "".join(event for event in events if isinstance(event, str))
     return content or None, [event for event in events if isinstance(event, ToolCall)]
 
@@ -429,18 +431,19 @@ class ToolCallStream:
     def feed(self, text_delta: str) -> list[Delta]:
         return self._deltas(self._settle(text_delta, final=False))
 
-    def finish(self) -> list[Delta]:
-        return self._deltas(self._settle("", final=True))
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """The rest, the reply being over; ``cut`` as in :func:`parse_tool_calls`."""
+        return self._deltas(self._settle("", final=True, cut=cut))
 
-    def _settle(self, text_delta: str, *, final: bool) -> list[str | ToolCall]:
+    def _settle(self, text_delta: str, *, final: bool, cut: bool = False) -> list[str | ToolCall]:
         """Settled content strings and calls after appending ``text_delta``; ``final`` settles
-        everything (the reply is over)."""
+        everything (the reply is over; ``cut``: not by the model)."""
         self._text += text_delta
         events: list[str | ToolCall] = []
         while self._text:
             if self._block is None and not self._start_block(events, final):
                 break
-            outcome = self._block.advance(self._text, final)
+            outcome = self._block.advance(self._text, final, cut)
             if outcome is _MORE:
                 break
             if outcome is _NOT_A_CALL:
@@ -466,7 +469,10 @@ class ToolCallStream:
 
     def _content(self, text: str, events: list[str | ToolCall]) -> None:
         if self._calls_only:
-            return  # the grammar allowed nothing but calls: this is one cut short
+            # The grammar allowed nothing but calls: this is one cut short. It still counts as
+            # seen, so a later bare object is judged alike on every chunking.
+            self._content_seen = self._content_seen or bool(text.strip())
+            return
         pending = self._space + text
         body = pending.rstrip()
         if not body:
@@ -500,7 +506,7 @@ _CLOSERS = {CALL_OPEN: CALL_CLOSE, "<tools>": "</tools>", "```": "```"}
 _FENCE_LANGUAGES = ("", "json", "tool_call")
 _MORE = object()  # cannot tell yet
 _NOT_A_CALL = object()
-_CUT = object()  # the reply ended inside a call: drop it
+_CUT = object()  # the generation was cut inside a call: drop it
 _SPACE = " \t\r\n"
 
 
@@ -532,8 +538,8 @@ class _Block:
     """One candidate call block read from the start of the held text: its opener, one or more
     call objects separated by whitespace, and its closer (a bare object is one object alone).
 
-    ``advance(text, final)`` is called with the same text growing; it returns _MORE, _NOT_A_CALL,
-    or the length of the block, with ``calls`` then holding (name, arguments) pairs. Every
+    ``advance(text, final, cut)`` is called with the same text growing; it returns _MORE,
+    _NOT_A_CALL, or the length of the block, with ``calls`` then holding (name, arguments) pairs. Every
     verdict depends only on the text it has seen, so feeding the text in any chunks gives the
     same verdicts as feeding it whole.
     """
@@ -547,14 +553,14 @@ class _Block:
         self.reader: _ObjectReader | None = None
         self.opened = False
 
-    def advance(self, text: str, final: bool) -> Any:
+    def advance(self, text: str, final: bool, cut: bool = False) -> Any:
         if not self.opened:
             opened = self._open(text, final)
             if opened is not True:
                 return opened
         while True:
             if self.reader is not None:
-                outcome = self.reader.advance(text, final)
+                outcome = self.reader.advance(text, final, cut)
                 if outcome is _CUT:
                     return len(text)  # the calls before it stand; the rest goes
                 if not isinstance(outcome, tuple):
@@ -564,7 +570,7 @@ class _Block:
                 self.reader = None
                 if not self.opener:
                     return self.pos
-            outcome = self._between_objects(text, final)
+            outcome = self._between_objects(text, final, cut)
             if outcome is not None:
                 return outcome
 
@@ -585,7 +591,7 @@ class _Block:
         self.opened = True
         return True
 
-    def _between_objects(self, text: str, final: bool) -> Any:
+    def _between_objects(self, text: str, final: bool, cut: bool) -> Any:
         """After the opener or an object: the next object starts (None: go on reading it), the
         closer ends the block, or something else means this is no call block."""
         position = self.pos
@@ -594,15 +600,18 @@ class _Block:
         rest = text[position:]
         if rest.startswith("{"):
             self.pos = position
-            self.reader = _ObjectReader(position, self.names, marked=self.opener == CALL_OPEN)
+            marked = self.opener == CALL_OPEN or bool(self.calls)
+            self.reader = _ObjectReader(position, self.names, marked=marked)
             return None
         if self.calls and self.closer and rest.startswith(self.closer):
             return position + len(self.closer)
         if not final and (not rest or (self.calls and self.closer.startswith(rest))):
             return _MORE
-        # A call whose closing marker never came, at the very end of the reply, still counts; a
-        # call marker with nothing after it is a call cut before it began.
-        if final and not rest and (self.calls or self.opener == CALL_OPEN):
+        # A call whose closing marker never came (or came cut short) at the very end of the reply
+        # still counts; a call marker with nothing after it is a call cut before it began.
+        if final and self.calls and self.closer.startswith(rest):
+            return len(text)
+        if final and not rest and cut and self.opener == CALL_OPEN:
             return position
         return _NOT_A_CALL
 
@@ -610,7 +619,8 @@ class _Block:
 class _ObjectReader:
     """Reads one JSON object starting at ``start``: refuses it as soon as its head cannot be
     ``{"name": "<known tool>"``, and finds its end incrementally (strings and nesting tracked).
-    ``marked``: the object follows a ``<tool_call>`` marker, so a head cut short is a call's."""
+    ``marked``: the object follows a ``<tool_call>`` marker or a call, so a head cut short is a
+    call's."""
 
     _STRUCTURE = re.compile(r'["{}\[\]]')
     _IN_STRING = re.compile(r'["\\]')
@@ -624,12 +634,12 @@ class _ObjectReader:
         self.in_string = False
         self.head_known = False
 
-    def advance(self, text: str, final: bool) -> Any:
-        """_MORE, _NOT_A_CALL, _CUT (only when ``final``), or (end, (name, arguments))."""
+    def advance(self, text: str, final: bool, cut: bool = False) -> Any:
+        """_MORE, _NOT_A_CALL, _CUT (only when ``final`` and ``cut``), or (end, (name, arguments))."""
         if not self.head_known:
             verdict = _head_verdict(text[self.start :], self.names)
             if verdict is None:
-                return (_CUT if self.marked else _NOT_A_CALL) if final else _MORE
+                return (_CUT if self.marked and cut else _NOT_A_CALL) if final else _MORE
             if not verdict:
                 return _NOT_A_CALL
             self.head_known = True
@@ -637,7 +647,7 @@ class _ObjectReader:
         if end is None:
             if not final:
                 return _MORE
-            return _CUT if self._is_cut_json(text[self.start :]) else _NOT_A_CALL
+            return _CUT if cut and self._is_cut_json(text[self.start :]) else _NOT_A_CALL
         call = _call_from_json(text[self.start : end], self.names)
         return _NOT_A_CALL if call is None else (end, call)
 

@@ -257,6 +257,29 @@ def test_with_tool_choice_none_a_call_in_the_text_stays_content():
     )
 
 
+@pytest.mark.parametrize(("finish", "dropped"), [("length", True), ("stop-string", True), ("stop", False)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unfinished_call_is_dropped_when_the_generation_was_cut(finish, dropped, stream):
+    """With tool_choice auto, a call cut by max_tokens (or a stop string) is dropped, the calls
+    before it kept; one the model itself ended on stays content, as written."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    done = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+    text = done + '<tool_call>\n{"name": "f", "arguments": {"x": '
+    reply = Reply(ResponseShape.new(chat=True, model="m"), parse_request({"tools": tools}).tools)
+    final = StreamEvent("", None, False, 0, finish, GenerationStats(method="none", lossy=False))
+    if stream:
+        chunks = reply.add(StreamEvent(text, 1)) + reply.finish(final, {"usage": {}})
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk.get("choices")]
+        content = "".join(delta.get("content") or "" for delta in deltas)
+        n_calls = sum(1 for delta in deltas for call in delta.get("tool_calls", []) if call.get("id"))
+    else:
+        reply.add_quietly(StreamEvent(text, 1))
+        message = reply.complete(final, {})["choices"][0]["message"]
+        content, n_calls = message["content"] or "", len(message.get("tool_calls", []))
+    assert n_calls == 1
+    assert content == ("" if dropped else '<tool_call>\n{"name": "f", "arguments": {"x":')
+
+
 def test_tool_choice_none_bans_a_one_token_call_marker_over_the_callers_bias():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     request = parse_request({"tools": tools, "tool_choice": "none", "logit_bias": {"7": 50, "3": 2}})

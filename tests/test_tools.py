@@ -304,6 +304,8 @@ ACCEPTED_FORMS = [
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}', None, [PARIS]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
     ("<tool_call>\n" + PARIS_JSON, None, [PARIS]),  # the reply ended before the closing marker
+    ("<tool_call>\n" + PARIS_JSON + "\n</tool_", None, [PARIS]),  # ... or inside it
+    ("```json\n" + PARIS_JSON + "\n``", None, [PARIS]),
     (hermes("search", json.dumps({"q": TRICKY_QUERY})), None, [("search", {"q": TRICKY_QUERY})]),
     ("Done: " + hermes("search", "{}") + " and then some.", "Done:  and then some.", [("search", {})]),
 ]
@@ -364,7 +366,7 @@ def test_anything_else_stays_content_as_written(text):
     assert parse_tool_calls(text, NAMES) == (text.strip(), [])
 
 
-# A reply that ends inside a call: the call is dropped (never content), the ones before it stand.
+# A generation cut inside a call: the call is dropped (never content), the ones before it stand.
 CUT_FORMS = [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', None, []),
     ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"days": 3', "Checking.", []),
@@ -380,14 +382,24 @@ CUT_FORMS = [
     ('```json\n{"name": "search"', None, []),
     (PARIS_JSON + '\n{"name": "search", "arguments": {"q": "x', None, [PARIS]),
     (hermes("search", "{}") + '\n<tool_call>\n{"name": "get_weather", ', None, [("search", {})]),
+    ('<tools>\n{"name": "search", "arguments": {}}\n{"name": "sea', None, [("search", {})]),
 ]
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), CUT_FORMS)
-def test_a_call_the_reply_ended_inside_is_dropped(text, content, calls):
-    parsed_content, parsed_calls = parse_tool_calls(text, NAMES)
+def test_a_call_the_generation_was_cut_inside_is_dropped(text, content, calls):
+    parsed_content, parsed_calls = parse_tool_calls(text, NAMES, cut=True)
     assert (parsed_content, calls_of(parsed_calls)) == (content, calls)
-    assert stream_result(streamed(text, list(range(len(text))))) == (content, calls)
+    stream = ToolCallStream(NAMES)
+    deltas = [delta for char in text for delta in stream.feed(char)] + stream.finish(cut=True)
+    assert stream_result(deltas) == (content, calls)
+
+
+@pytest.mark.parametrize("text", [text for text, _, calls in CUT_FORMS if not calls and "{" in text])
+def test_an_unfinished_call_the_model_itself_ended_on_stays_content(text):
+    """Not cut: the model wrote something malformed and stopped; the text shows what."""
+    assert parse_tool_calls(text, NAMES) == (text.strip(), [])
+    assert stream_result(streamed(text, list(range(len(text))))) == (text.strip(), [])
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,9 @@ class Reply:
         calls: list[dict] = []
         if self.parser is not None:
             # The stream's content exactly; null beside calls only (a message without any has text).
-            content, parsed = parse_tool_calls(text, self.tools.names, calls_only=self.tools.constrained)
+            content, parsed = parse_tool_calls(
+                text, self.tools.names, calls_only=self.tools.constrained, cut=_was_cut(final)
+            )
             calls = [call.to_openai() for call in parsed]
             content = content if calls else content or ""
         if calls and finish == "stop":
@@ -109,7 +111,7 @@ class Reply:
         """The last chunks: what the tool parser still held, then the finish chunk(s)."""
         chunks = self.add(final) if final.text else []
         if self.parser is not None:
-            chunks += self._delta_chunks(self.parser.finish())
+            chunks += self._delta_chunks(self.parser.finish(cut=_was_cut(final)))
         finishing = self.shape.final_chunks(final.finish_reason, blocks)
         choice = finishing[0]["choices"][0]
         if self._n_calls and choice["finish_reason"] == "stop":
@@ -144,3 +146,9 @@ class Reply:
         if self.shape.chat:
             return {"content": [chat_logprob(e) for e in entries], "refusal": None}
         return completion_logprobs(entries, offset)
+
+
+def _was_cut(final: StreamEvent) -> bool:
+    """Whether the generation was cut (max_tokens, a full context, a stop string, a cancel)
+    rather than ended by the model: then an unfinished tool call is dropped, not shown."""
+    return final.finish_reason != "stop"
