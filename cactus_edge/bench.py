@@ -242,12 +242,15 @@ def compile_constraints(engine: Engine, prompts: list[dict], settings: dict) -> 
     (and for building the grammar tokenizer) in its first-token time. Returns the compile times
     (ms) of the schemas compiled here."""
     constrained = [entry for entry in prompts if "json_schema" in entry]
+    cached_before = set(engine.grammars.compile_ms) if constrained else set()
     for entry in constrained:
         prompt = engine.tokenize_chat([{"role": "user", "content": turns_of(entry)[0]}])
         # Plain decoding's config: a grammar compiles alike for every method, and a bench of
         # `--methods none` loads no draft model for the default drafter to need.
         engine.check_request(prompt, GenerationConfig(**entry_settings(entry, settings), method="none"))
-    return list(engine.grammars.compile_ms.values()) if constrained else []
+    if not constrained:
+        return []
+    return [ms for source, ms in engine.grammars.compile_ms.items() if source not in cached_before]
 
 
 def turns_of(entry: dict) -> list[str]:

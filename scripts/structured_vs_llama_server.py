@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -50,6 +51,7 @@ def free_port() -> int:
 def variants(args, draft: str, target: str) -> dict[str, list[str]]:
     """Variant name → the server command line without its port."""
     ours = [sys.executable, "-m", "cactus_edge.cli", "serve", "--draft", draft, "--target", target]
+    ours += ["--threads", str(args.threads)]
     theirs = [args.llama_server, "-m", target, "--jinja", "-t", str(args.threads), "-c", "4096", "-np", "1"]
     theirs += ["--host", "127.0.0.1"]
     return {
@@ -99,7 +101,8 @@ def parses(text: str) -> bool:
 
 def run_variant(name: str, command: list[str], prompts: list[dict], args) -> list[dict]:
     port = free_port()
-    log = Path(args.out).with_suffix(f".{name.split(',')[0]}.log").open("w")
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    log = Path(args.out).with_suffix(f".{slug}.log").open("w")
     process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     rows = []
@@ -107,9 +110,16 @@ def run_variant(name: str, command: list[str], prompts: list[dict], args) -> lis
         wait_ready(url, process)
         for index, entry in enumerate(prompts):
             start = time.perf_counter()
-            body = httpx.post(f"{url}/v1/chat/completions", json=request_body(index, entry, args),
-                              timeout=REQUEST_TIMEOUT).json()  # fmt: skip
+            response = httpx.post(f"{url}/v1/chat/completions", json=request_body(index, entry, args),
+                                  timeout=REQUEST_TIMEOUT)  # fmt: skip
+            if response.status_code != 200:
+                raise SystemExit(
+                    f"{name}: {entry['id']} answered {response.status_code}: {response.text[:300]}"
+                )
+            body = response.json()
             choice, timings = body["choices"][0], body.get("timings", {})
+            if timings.get("predicted_per_second") is None:
+                raise SystemExit(f"{name}: no timings.predicted_per_second in the response")
             rows.append({
                 "prompt": entry["id"], "finish_reason": choice["finish_reason"],
                 "valid_json": parses(choice["message"]["content"] or ""),
@@ -158,9 +168,11 @@ def main() -> None:
     draft, target = (str(resolve_model_path(name)) for name in resolve_pair(args.pair))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     prompts = load_structured()
-    commands = variants(args, draft, target)
-    results = {name: run_variant(name, command, prompts, args) for name, command in commands.items()}
-    Path(args.out).write_text(json.dumps({"cpu": cpu_model_name(), "results": results}, indent=1))
+    results: dict[str, list[dict]] = {}
+    for name, command in variants(args, draft, target).items():
+        results[name] = run_variant(name, command, prompts, args)
+        # Written after each variant: a failure later keeps what was measured.
+        Path(args.out).write_text(json.dumps({"cpu": cpu_model_name(), "results": results}, indent=1))
     print(f"{len(prompts)} structured prompts, {args.max_tokens} tokens, {cpu_model_name()}\n")
     print(table(results))
 

@@ -7,6 +7,7 @@ scheduler, and the answer (:mod:`.streaming`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Mapping
@@ -81,12 +82,13 @@ class Admission:
         tools = request.tools.tools if request.tools is not None and chat else None
         prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots, tools)
         config = config_for_vocabulary(request, engine)
-        loop = asyncio.get_running_loop()
-        # In a worker thread, as tokenizing is: a new grammar's compile takes up to seconds (the
-        # first one also builds the tokenizer index), and the loop serves the running streams.
-        async with self._tokenize_slots:
-            prompt_param = "messages" if chat else "prompt"
-            config = await loop.run_in_executor(None, self._fit, engine, config, body, prompt, prompt_param)
+        loop, prompt_param = asyncio.get_running_loop(), "messages" if chat else "prompt"
+        if config.grammar_source is None:
+            config = self._fit(engine, config, body, prompt, prompt_param)
+        else:  # a new grammar compiles here (up to seconds): in a worker thread, as tokenizing is
+            fit = functools.partial(self._fit, engine, config, body, prompt, prompt_param)
+            async with self._tokenize_slots:
+                config = await loop.run_in_executor(None, fit)
         return request, Job(prompt, config, loop, ticket, arrived)
 
     def _fit(
