@@ -1,9 +1,14 @@
 """The model flags every script in scripts/ shares (--pair, or --draft/--target; --n-ctx, --threads),
-and the engine they choose: the same rule as the CLI (:func:`registry.resolve_pair`)."""
+and the engine they choose: the same rule as the CLI (:func:`registry.resolve_pair`); and what the
+scripts that start servers share: a free loopback port, and waiting for a server to answer."""
 
 from __future__ import annotations
 
 import argparse
+import socket
+import subprocess
+import time
+from pathlib import Path
 
 from .config import DEFAULT_N_CTX
 
@@ -47,3 +52,36 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--target", args.target] if args.target else []
     flags += ["--pair", args.pair] if args.pair else []
     return flags + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(
+    url: str, process: subprocess.Popen, *, path: str = "/v1/models", timeout: float = 600
+) -> None:
+    """Wait until GET ``url + path`` answers 200, or SystemExit when ``process`` exits first or
+    ``timeout`` s pass (with the tail of its log when the process has a ``log_path``)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode}: {log_tail(process)}")
+        try:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become ready within {timeout} s")
+
+
+def log_tail(process: subprocess.Popen, n_chars: int = 2000) -> str:
+    """The end of a server's log file (``process.log_path``), "" when it has none."""
+    log_path = getattr(process, "log_path", None)
+    return Path(log_path).read_text()[-n_chars:] if log_path else ""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cactus_edge.registry import resolve_model_path
-from cactus_edge.script_args import engine_from_args, model_flags, model_paths, script_parser
+from cactus_edge.script_args import (
+    engine_from_args,
+    free_port,
+    log_tail,
+    model_flags,
+    model_paths,
+    script_parser,
+    wait_ready,
+)
 
 CATEGORIES = ("mixed", "code-editing", "conversations")
 
@@ -54,28 +61,6 @@ def workload(category: str, per_category: int) -> list[list[str]]:
     return [[p["prompt"]] for p in first_of_each(mixed, per_category)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}: {_log_tail(process)}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become ready within {timeout} s")
-
-
 def _popen(command: list[str], stdout, name: str) -> subprocess.Popen:
     """Start a server with its stderr in a file: an undrained pipe fills up (llama.cpp logs a
     lot) and blocks the server mid-benchmark."""
@@ -85,10 +70,6 @@ def _popen(command: list[str], stdout, name: str) -> subprocess.Popen:
         process = subprocess.Popen(command, stdout=stdout, stderr=log, text=True)  # the child keeps its fd
     process.log_path = log.name
     return process
-
-
-def _log_tail(process: subprocess.Popen, n_chars: int = 2000) -> str:
-    return Path(process.log_path).read_text()[-n_chars:]
 
 
 def start_ours(args) -> tuple[subprocess.Popen, str]:
@@ -108,7 +89,7 @@ def start_and_read_url(command: list[str], name: str, timeout: float = 900) -> t
         ready = json.loads(lines.get(timeout=timeout))
     except queue.Empty:
         process.kill()
-        raise SystemExit(f"{name} did not print its ready line: {_log_tail(process)}") from None
+        raise SystemExit(f"{name} did not print its ready line: {log_tail(process)}") from None
     return process, ready["url"]
 
 

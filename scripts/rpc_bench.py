@@ -25,13 +25,8 @@ from pathlib import Path
 from cactus_edge.backend_rpc import Endpoint
 from cactus_edge.errors import WorkerLostError
 from cactus_edge.machine import cpu_model_name
+from cactus_edge.script_args import free_port
 from cactus_edge.worker import wait_for_worker, worker_command
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_worker(port: int, threads: int) -> subprocess.Popen:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,15 +36,10 @@ import httpx
 from cactus_edge.bench import load_structured
 from cactus_edge.machine import cpu_model_name
 from cactus_edge.registry import resolve_model_path, resolve_pair
+from cactus_edge.script_args import free_port, wait_ready
 
 START_TIMEOUT = 300  # s for a server to load and warm up
 REQUEST_TIMEOUT = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def variants(args, draft: str, target: str) -> dict[str, list[str]]:
@@ -62,20 +56,6 @@ def variants(args, draft: str, target: str) -> dict[str, list[str]]:
         "cactus-edge, plain": [*ours, "--method", "none"],
         "cactus-edge, defaults": ours,
     }
-
-
-def wait_ready(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server was not ready after {START_TIMEOUT} s")
 
 
 def request_body(index: int, entry: dict, args) -> dict:
@@ -102,12 +82,14 @@ def parses(text: str) -> bool:
 def run_variant(name: str, command: list[str], prompts: list[dict], args) -> list[dict]:
     port = free_port()
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    log = Path(args.out).with_suffix(f".{slug}.log").open("w")
+    log_path = Path(args.out).with_suffix(f".{slug}.log")
+    log = log_path.open("w")
     process = subprocess.Popen([*command, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
+    process.log_path = log_path  # for wait_ready's message if it exits
     url = f"http://127.0.0.1:{port}"
     rows = []
     try:
-        wait_ready(url, process)
+        wait_ready(url, process, path="/health", timeout=START_TIMEOUT)  # /v1/models answers while loading
         for index, entry in enumerate(prompts):
             start = time.perf_counter()
             response = httpx.post(f"{url}/v1/chat/completions", json=request_body(index, entry, args),
