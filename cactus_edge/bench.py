@@ -242,14 +242,14 @@ def compile_constraints(engine: Engine, prompts: list[dict], settings: dict) -> 
     (and for building the grammar tokenizer) in its first-token time. Returns the compile times
     (ms) of the schemas compiled here."""
     constrained = [entry for entry in prompts if "json_schema" in entry]
-    cached_before = set(engine.grammars.compile_ms) if constrained else set()
+    if not constrained:
+        return []
+    cached_before = set(engine.grammars.compile_ms)
     for entry in constrained:
         prompt = engine.tokenize_chat([{"role": "user", "content": turns_of(entry)[0]}])
         # Plain decoding's config: a grammar compiles alike for every method, and a bench of
         # `--methods none` loads no draft model for the default drafter to need.
         engine.check_request(prompt, GenerationConfig(**entry_settings(entry, settings), method="none"))
-    if not constrained:
-        return []
     return [ms for source, ms in engine.grammars.compile_ms.items() if source not in cached_before]
 
 

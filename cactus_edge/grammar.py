@@ -187,10 +187,6 @@ class GrammarMatcher:
         self._check()
         return TokenMask(bits, self.vocab_size)
 
-    def allowed(self) -> np.ndarray:
-        """bool (V,): the tokens the grammar allows after the consumed ones."""
-        return self.mask().allowed()
-
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
         tokens = self._matcher.compute_ff_tokens()

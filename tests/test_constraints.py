@@ -46,7 +46,7 @@ def reference_mask(engine, config, reply_tokens) -> np.ndarray:
     matcher = engine.grammars.matcher(config.grammar_source)
     for token in reply_tokens:
         matcher.consume(token)
-    return matcher.allowed()
+    return matcher.mask().allowed()
 
 
 def reference_penalties(logits, context, n_prompt, penalties: Penalties) -> np.ndarray:

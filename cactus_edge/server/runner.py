@@ -146,9 +146,8 @@ def run(
 ) -> None:
     """What `cactus-edge serve` does: listen at once (/health answers 503 while loading), load and
     warm up the engine (the first request should not pay auto's calibration) and build its grammar
-    tokenizer index, announce, serve
-    until SIGINT/SIGTERM, then stop accepting, cancel the running generation, close the engine
-    and return."""
+    tokenizer index, announce, serve until SIGINT/SIGTERM, then stop accepting, cancel the running
+    generation, close the engine and return."""
     import signal
 
     stop = threading.Event()
