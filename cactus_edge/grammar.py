@@ -168,7 +168,7 @@ class CompiledGrammars:
         if matcher.is_error():
             raise InvalidSettingError(f"invalid {param}: {_short(matcher.get_error())}", param=param)
         self.compile_ms[source] = compile_ms
-        logger.info("compiled a %s grammar (%d characters) in %.1f ms", param, len(source), compile_ms)
+        logger.info("compiled a grammar from %s (%d characters) in %.1f ms", param, len(source), compile_ms)
         return matcher
 
 
