@@ -30,6 +30,7 @@ from typing import Any
 from llguidance import LLMatcher
 
 from .errors import InvalidSettingError
+from .grammar import JSON_LAYOUT
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -37,9 +38,6 @@ CALL_CLOSE = "</tool_call>"
 # name can be written into a grammar literal and recognised in text as it is.
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CHOICES = ("none", "auto", "required")
-# How the constrained JSON is laid out: Python's json.dumps defaults, as in the template's own
-# example call; fixed whitespace also keeps a model from padding a call with endless blanks.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 # --- the request -------------------------------------------------------------------------------
@@ -161,7 +159,7 @@ def _laid_out(schema: dict[str, Any]) -> str:
     """The schema as JSON with our layout options (llguidance reads them from a top-level
     ``x-guidance`` key; ours win over the caller's, since the parser relies on nothing but JSON)."""
     given = schema.get("x-guidance")
-    options = {**(given if isinstance(given, dict) else {}), **_JSON_LAYOUT}
+    options = {**(given if isinstance(given, dict) else {}), **JSON_LAYOUT}
     return json.dumps({**schema, "x-guidance": options})
 
 

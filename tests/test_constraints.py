@@ -475,3 +475,37 @@ def test_a_non_finite_shaped_row_is_named_by_its_row_and_cache_position():
 
     with pytest.raises(ValueError, match="row 2 at position 8"):
         process_decoded(Model(), rows, sampling, None, shaper, 2)
+
+
+def _byte_matcher(schema: dict):
+    import llguidance
+
+    from cactus_edge.grammar import grammar_source, parse_json_schema
+
+    tokenizer = llguidance.LLTokenizer("byte")
+    source = grammar_source(parse_json_schema(schema), None, None)
+    return tokenizer, llguidance.LLMatcher(tokenizer, source)
+
+
+def _accepts(schema: dict, text: str) -> bool:
+    tokenizer, matcher = _byte_matcher(schema)
+    return matcher.consume_tokens(tokenizer.tokenize_bytes(text.encode())) and matcher.is_accepting()
+
+
+def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    answer = {"name": "Ada", "age": 36}
+    assert _accepts(schema, json.dumps(answer))
+    assert not _accepts(schema, json.dumps(answer, indent=2))
+    assert not _accepts(schema, json.dumps(answer, separators=(",", ":")))
+    # After a value the grammar forces the separator, the next key and its colon: free drafts.
+    tokenizer, matcher = _byte_matcher(schema)
+    assert matcher.consume_tokens(tokenizer.tokenize_bytes(b'{"name": "Ada"'))
+    assert tokenizer.decode_bytes(matcher.compute_ff_tokens()) == b', "age": '
+    # A schema's own x-guidance lays it out itself; other x-guidance options keep our layout.
+    assert _accepts({"x-guidance": {"whitespace_flexible": True}, **schema}, json.dumps(answer, indent=2))
+    assert not _accepts({"x-guidance": {"coerce_one_of": True}, **schema}, json.dumps(answer, indent=2))
