@@ -121,7 +121,8 @@ def _checked_source(name: str, text: str) -> str:
 def _layout(schema_text: str) -> dict | None:
     """Our layout, unless the schema sets its own: merged key by key, a caller's
     whitespace_flexible would keep our separators and refuse the newlines it asked for."""
-    given = json.loads(schema_text).get("x-guidance")
+    schema = json.loads(schema_text)
+    given = schema.get("x-guidance") if isinstance(schema, dict) else None
     return None if isinstance(given, dict) and _LAYOUT_KEYS & given.keys() else JSON_LAYOUT
 
 

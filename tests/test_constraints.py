@@ -509,3 +509,13 @@ def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
     # A schema's own x-guidance lays it out itself; other x-guidance options keep our layout.
     assert _accepts({"x-guidance": {"whitespace_flexible": True}, **schema}, json.dumps(answer, indent=2))
     assert not _accepts({"x-guidance": {"coerce_one_of": True}, **schema}, json.dumps(answer, indent=2))
+
+
+@pytest.mark.parametrize("text", ["true", "[1]", '{"x-guidance": 3}'])
+def test_an_odd_schema_text_compiles_or_is_a_typed_error_never_a_crash(text):
+    from cactus_edge.grammar import grammar_source
+
+    try:
+        assert grammar_source(text, None, None)
+    except InvalidSettingError as error:
+        assert error.param == "json_schema"
