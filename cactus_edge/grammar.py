@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
+from types import MappingProxyType
 
 import llguidance
 import numpy as np
@@ -46,9 +47,9 @@ MAX_CACHED_SOURCES = 256
 # space or an indented newline allowed between tokens, on the structured bench), and a small model
 # cannot loop on blank lines. Compact "," / ":" is fewer tokens still, but the default model wrote
 # worse values under it (docs/performance.md, "JSON layout").
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# A schema whose own top-level "x-guidance" sets any of these lays its JSON out itself.
-_LAYOUT_KEYS = frozenset({*JSON_LAYOUT, "whitespace_pattern"})
+JSON_LAYOUT = MappingProxyType({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+# A schema whose own top-level "x-guidance" sets either of these chooses its whitespace itself.
+_WHITESPACE_KEYS = frozenset({"whitespace_flexible", "whitespace_pattern"})
 # Unsupported keywords are an error (never silently unconstrained output), whatever the schema says.
 JSON_OPTIONS = {"lenient": False}
 MAX_COMPILED_PER_ENGINE = 32
@@ -119,11 +120,14 @@ def _checked_source(name: str, text: str) -> str:
 
 
 def _layout(schema_text: str) -> dict | None:
-    """Our layout, unless the schema sets its own: merged key by key, a caller's
-    whitespace_flexible would keep our separators and refuse the newlines it asked for."""
+    """Our layout where the schema's x-guidance does not say (llguidance merges it key by key), or
+    none where the schema chooses its own whitespace: our separators, kept, would refuse the
+    newlines it asked for (llguidance's flexible whitespace is unbounded; max_tokens bounds it)."""
     schema = json.loads(schema_text)
     given = schema.get("x-guidance") if isinstance(schema, dict) else None
-    return None if isinstance(given, dict) and _LAYOUT_KEYS & given.keys() else JSON_LAYOUT
+    if isinstance(given, dict) and _WHITESPACE_KEYS & given.keys():
+        return None
+    return dict(JSON_LAYOUT)
 
 
 def _short(message: str, limit: int = 400) -> str:
