@@ -20,6 +20,7 @@ from cactus_edge.penalties import Penalties, apply_penalties
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
 
 from .first_tokens import pooled_chisquare_pvalue, sample_first_drafted_steps
+from .test_bench import grammar_accepts
 from .test_engine import FLIP_MARGIN
 
 PROMPT = "the water is hot and"
@@ -477,41 +478,35 @@ def test_a_non_finite_shaped_row_is_named_by_its_row_and_cache_position():
         process_decoded(Model(), rows, sampling, None, shaper, 2)
 
 
-def _byte_matcher(schema: dict):
+def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
     import llguidance
 
     from cactus_edge.grammar import grammar_source, parse_json_schema
 
-    tokenizer = llguidance.LLTokenizer("byte")
-    source = grammar_source(parse_json_schema(schema), None, None)
-    return tokenizer, llguidance.LLMatcher(tokenizer, source)
-
-
-def _accepts(schema: dict, text: str) -> bool:
-    tokenizer, matcher = _byte_matcher(schema)
-    return matcher.consume_tokens(tokenizer.tokenize_bytes(text.encode())) and matcher.is_accepting()
-
-
-def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
         "required": ["name", "age"],
     }
     answer = {"name": "Ada", "age": 36}
-    assert _accepts(schema, json.dumps(answer))
-    assert not _accepts(schema, json.dumps(answer, indent=2))
-    assert not _accepts(schema, json.dumps(answer, separators=(",", ":")))
+    assert grammar_accepts(schema, json.dumps(answer))
+    assert not grammar_accepts(schema, json.dumps(answer, indent=2))
+    assert not grammar_accepts(schema, json.dumps(answer, separators=(",", ":")))
     # After a value the grammar forces the separator, the next key and its colon: free drafts.
-    tokenizer, matcher = _byte_matcher(schema)
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, grammar_source(parse_json_schema(schema), None, None))
     assert matcher.consume_tokens(tokenizer.tokenize_bytes(b'{"name": "Ada"'))
     assert tokenizer.decode_bytes(matcher.compute_ff_tokens()) == b', "age": '
     # A schema's own x-guidance wins, key by key; choosing its whitespace drops our separators.
-    assert _accepts({"x-guidance": {"whitespace_flexible": True}, **schema}, json.dumps(answer, indent=2))
-    assert not _accepts({"x-guidance": {"coerce_one_of": True}, **schema}, json.dumps(answer, indent=2))
+    assert grammar_accepts(
+        {"x-guidance": {"whitespace_flexible": True}, **schema}, json.dumps(answer, indent=2)
+    )
+    assert not grammar_accepts(
+        {"x-guidance": {"coerce_one_of": True}, **schema}, json.dumps(answer, indent=2)
+    )
     colon_only = {"x-guidance": {"key_separator": ":"}, **schema}
-    assert _accepts(colon_only, '{"name":"Ada", "age":36}')
-    assert not _accepts(colon_only, '{"name":"Ada",\n"age":36}')
+    assert grammar_accepts(colon_only, '{"name":"Ada", "age":36}')
+    assert not grammar_accepts(colon_only, '{"name":"Ada",\n"age":36}')
 
 
 @pytest.mark.parametrize("text", ["true", "[1]"])
