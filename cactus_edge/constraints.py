@@ -166,6 +166,25 @@ class LogitShaper:
             return [int(allowed[0])]
         return []
 
+    def take_forced(self, room: int) -> list[int]:
+        """Up to ``room`` tokens the grammar forces from here, advanced over: run after run (each
+        forced run may end where the next begins), until none is forced or the text ends."""
+        taken: list[int] = []
+        while len(taken) < room:
+            run = self.forced()[: room - len(taken)]
+            if not run:
+                break
+            for token in run:
+                self.advance(token)
+            taken += run
+        return taken
+
+    def sole_token(self, position: int) -> int | None:
+        """The one token the grammar allows at ``position`` (≤ the current one), or None: a row
+        predicting it is a point mass there whatever its logits (SPEC, "Forced tokens")."""
+        mask = self.mask_at(position)
+        return None if mask is None else mask.sole_id()
+
     @property
     def ended(self) -> bool:
         """Whether the context holds an end token past the prompt (nothing after it counts)."""

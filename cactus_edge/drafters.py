@@ -63,6 +63,7 @@ class Proposal:
     guess: list[int] = field(default_factory=list)
     lookup_source: str = ""
     n_forced: int = 0  # leading tokens the grammar forced (point masses, no draft model)
+    later_forced: list[int] = field(default_factory=list)  # indices of forced tokens after a draft
 
     @property
     def label(self) -> str:
@@ -71,10 +72,16 @@ class Proposal:
             return "forced" if self.n_forced else "none"
         return self.source.split("/")[0]
 
+    @property
+    def forced_indices(self) -> list[int]:
+        """Indices into ``tokens`` of every token the grammar forced, leading or after a draft."""
+        return [*range(self.n_forced), *self.later_forced]
+
     def after_forced(self, forced: list[int], vocab_size: int) -> Proposal:
         """This proposal behind a run of forced tokens (point-mass rows), in one block."""
         self.tokens = [*forced, *self.tokens]
         self.rows = [*point_mass_rows(forced, vocab_size), *self.rows]
+        self.later_forced = [len(forced) + index for index in self.later_forced]
         self.n_forced = len(forced)
         return self
 
@@ -145,8 +152,10 @@ class DraftPlanner:
 
     def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
         """After a verification: update acceptance estimates and judge a probe. Forced positions
-        teach nothing: every rule accepts them (nearly) always, whatever drafted after them."""
-        drafted = tuple(acceptance_probs[proposal.n_forced :])  # empty: no draft was judged
+        teach nothing: every rule accepts them always, whatever drafted before them."""
+        forced = set(proposal.forced_indices)
+        # Empty: no draft was judged.
+        drafted = tuple(prob for index, prob in enumerate(acceptance_probs) if index not in forced)
         if drafted:
             self.tracker(proposal.source).record(drafted)
         elif proposal.guess and not proposal.tokens:
@@ -169,10 +178,11 @@ class DraftPlanner:
 def process_decoded(
     model, logits: np.ndarray, sampling, row: int | None = None, shaper=None, position: int = 0
 ) -> ProbRows:
-    """Process the rows (n, V) a model's last decode returned for its last n cache positions, or
-    only row ``row`` of them; non-finite logits become an error naming the model and position.
-    With an active :class:`~cactus_edge.constraints.LogitShaper`, the rows are shaped first (bias,
-    penalties, the grammar's mask): the first processed row predicts context index ``position``."""
+    """Process consecutive rows (n, V) of a model's last decode, or only row ``row`` of them; the
+    first processed row predicts context index ``position``. Non-finite logits become an error
+    naming the model and cache position. With an active
+    :class:`~cactus_edge.constraints.LogitShaper`, the rows are shaped first (bias, penalties,
+    the grammar's mask)."""
     rows = logits if row is None else logits[row]
     try:
         if shaper is not None and shaper.active:
@@ -180,7 +190,8 @@ def process_decoded(
         return process_logits(rows, sampling)
     except NonFiniteLogitsError as error:
         index = error.row if row is None else row
-        raise model.non_finite_error(index, model.n_past - len(logits) + index) from None
+        # The row predicting context index p sits at cache position p - 1.
+        raise model.non_finite_error(index, position - 1 + (index if row is None else 0)) from None
 
 
 def _process_shaped(rows: np.ndarray, sampling, shaper, position: int) -> ProbRows:
@@ -225,6 +236,14 @@ def through_first_end(tokens: list[int], is_end: Callable[[int], bool]) -> list[
     return tokens
 
 
+def _unfed(n_fed: int, committed: list[int], drafts: list[int]) -> list[int]:
+    """The tokens of committed + drafts past the first n_fed (the draft's cache), without
+    copying committed."""
+    if n_fed >= len(committed):
+        return drafts[n_fed - len(committed) :]
+    return committed[n_fed:] + drafts
+
+
 class ModelDrafter:
     """Samples drafts from the draft model with the shared logit processing.
 
@@ -254,14 +273,19 @@ class ModelDrafter:
         return len(committed) - 1 - self.draft.n_past
 
     def propose(self, committed: list[int], n_draft: int, guess: Sequence[int], source: str) -> Proposal:
-        tokens, rows, ms = self.sample(committed, n_draft, guess)
-        return Proposal(tokens, rows, ms, source, list(guess))
+        tokens, rows, ms, forced = self.sample(committed, n_draft, guess)
+        return Proposal(tokens, rows, ms, source, list(guess), later_forced=forced)
 
     def sample(
         self, committed: list[int], n_draft: int, guess: Sequence[int] = ()
-    ) -> tuple[list[int], list, float]:
+    ) -> tuple[list[int], list, float, list[int]]:
         """Sample up to n_draft tokens, keeping each processed row; stops early when the draft's
-        own p(d) falls below p_min. Returns (tokens, rows, ms inside llama_decode).
+        own p(d) falls below p_min. Returns (tokens, rows, ms inside llama_decode, the indices
+        of tokens the grammar forced).
+
+        Where the grammar forces the tokens after a draft, they are taken as point masses without
+        a decode (the draft's masked row there is one whatever its logits) and fed to the draft
+        with the next decode.
 
         Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
         batch decode of [unseen committed tokens] + guess yields the draft's row after each
@@ -272,11 +296,19 @@ class ModelDrafter:
         """
         tokens: list[int] = []
         rows: list = []
+        forced_indices: list[int] = []
         decode_ms = 0.0
         base = len(committed)
-        pending = committed[self.draft.n_past :]
         guided = list(guess[: max(n_draft - 1, 0)])
         while len(tokens) < n_draft:
+            if tokens and self.shaper is not None:
+                forced = self.shaper.take_forced(n_draft - len(tokens))
+                forced_indices += range(len(tokens), len(tokens) + len(forced))
+                tokens += forced
+                rows += point_mass_rows(forced, self.vocab_size)
+                if len(tokens) == n_draft or self.shaper.ended:
+                    break  # drafts past the end of the text would never be emitted
+            pending = _unfed(self.draft.n_past, committed, tokens)
             logits, elapsed = self._decode(pending, guided)
             decode_ms += elapsed
             n_before = len(tokens)
@@ -286,8 +318,8 @@ class ModelDrafter:
             if self.draft.n_past > keep:
                 self.draft.truncate(keep)
                 self.profile.lap("rollback")
-            pending, guided = tokens[-1:], []
-        return tokens, rows, decode_ms
+            guided = []
+        return tokens, rows, decode_ms, forced_indices
 
     def _decode(self, pending: list[int], guided: list[int]) -> tuple[np.ndarray, float]:
         """Logits rows (a view of llama.cpp's buffer, valid until the next draft decode) and the
@@ -387,14 +419,7 @@ class DraftSourceChooser:
         (each forced run may end where the next begins), until none is forced or the text ends."""
         if self.shaper is None or room == 0:
             return []
-        forced: list[int] = []
-        while len(forced) < room:
-            run = self.shaper.forced()[: room - len(forced)]
-            if not run:
-                break
-            for token in run:
-                self.shaper.advance(token)
-            forced += run
+        forced = self.shaper.take_forced(room)
         self.profile.lap("grammar")
         return forced
 

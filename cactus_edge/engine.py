@@ -46,6 +46,7 @@ from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
 from .grammar import CompiledGrammars
 from .logprobs import token_logprobs, with_bytes
+from .lookup import point_mass_rows
 from .output import Output
 from .sampling import sample_token
 from .stats import GenerationStats, StepProfiler, StepStats
@@ -541,7 +542,7 @@ class _Generation:
         total_ms = (time.perf_counter() - step_start) * 1000
         n_draft, n_decided = len(proposal.tokens), len(acceptance_probs)
         fields = (n_draft, n_accepted, proposal.draft_ms, verify_ms, total_ms, kl, proposal.label, n_decided)
-        fields += (proposal.n_forced,)
+        fields += (sum(index < n_accepted for index in proposal.forced_indices),)
         prefill = self.stats.n_verifier_calls == 0
         self.stats.record(StepStats(*fields), prefill=prefill)
         self.profile.lap("bookkeeping")
@@ -551,18 +552,22 @@ class _Generation:
 
     def verify(self, proposal: Proposal):
         """One target decode of the unseen committed tokens + the drafts; processed rows for the
-        k + 1 positions that score the drafts and the bonus."""
+        k + 1 positions that score the drafts and the bonus (a list of rows where the grammar
+        fixed some of them)."""
         n_draft = len(proposal.tokens)
         feed = self.committed[self.target.n_past :] + proposal.tokens
+        first_position = len(self.committed)  # row 0 predicts the first draft's position
         self.profile.lap("bookkeeping")
+        fixed = {} if self.config.logprobs else fixed_rows(self.shaper, first_position, n_draft)
+        wanted = [len(feed) - n_draft - 1 + index for index in range(n_draft + 1) if index not in fixed]
+        self.profile.lap("grammar")
         # A view of llama.cpp's buffer: processed (and checked) before the next target decode.
-        logits = self.target.decode(feed, output_rows=range(len(feed) - n_draft - 1, len(feed)), copy=False)
+        logits = self.target.decode(feed, output_rows=wanted, copy=False)
         verify_ms = self.target.last_decode_ms
         self.profile.lap("batch + logits", verify_ms, "verify decode")
         if self.stats.n_verifier_calls:  # the first call is the prompt's prefill, not a verify
             self.engine.costs.record_verify(len(feed), verify_ms)
-        first_position = len(self.committed)  # row 0 predicts the first draft's position
-        target_rows = process_decoded(self.target, logits, self.sampling, None, self.shaper, first_position)
+        target_rows = merge_rows(self.target, logits, self.sampling, self.shaper, first_position, fixed)
         self.profile.lap("target processing")
         return target_rows, verify_ms, logits
 
@@ -590,6 +595,37 @@ class _Generation:
         self.target.truncate(base + n_accepted)
         if self.draft is not None and self.draft.n_past > base + n_accepted:
             self.draft.truncate(base + n_accepted)
+
+
+def fixed_rows(shaper: LogitShaper, first_position: int, n_draft: int) -> dict[int, int]:
+    """{row index: token} for the k + 1 rows of a verify (row i predicts first_position + i) where
+    the grammar allows one token: point masses whatever the target's logits, so llama.cpp need
+    not compute those logits (the lm_head's share of a row) nor numpy process them. (Not with
+    logprobs, which report the raw rows.)"""
+    if not shaper.constrained:
+        return {}
+    sole = {index: shaper.sole_token(first_position + index) for index in range(n_draft + 1)}
+    return {index: token for index, token in sole.items() if token is not None}
+
+
+def merge_rows(target, logits, sampling, shaper, first_position: int, fixed: dict[int, int]):
+    """A verify's k + 1 rows: processed ``logits`` (one row per position not ``fixed``) with the
+    point masses where ``fixed``, in order; each consecutive run of computed rows is processed
+    at once (all of them, as one block, when nothing is fixed)."""
+    if not fixed:
+        return process_decoded(target, logits, sampling, None, shaper, first_position)
+    wanted = [index for index in range(len(logits) + len(fixed)) if index not in fixed]
+    rows = dict(zip(fixed, point_mass_rows(list(fixed.values()), target.vocab_size), strict=True))
+    start = 0
+    while start < len(wanted):
+        end = start + 1
+        while end < len(wanted) and wanted[end] == wanted[end - 1] + 1:
+            end += 1
+        position = first_position + wanted[start]
+        run = process_decoded(target, logits[start:end], sampling, None, shaper, position)
+        rows.update((wanted[start + offset], run[offset]) for offset in range(end - start))
+        start = end
+    return [rows[index] for index in range(len(rows))]
 
 
 def warm_up(engine: Engine, grammars: bool = False) -> None:

@@ -275,6 +275,15 @@ class TokenMask:
         last = self.packed[n_bytes : n_bytes + 1] & np.uint8((1 << n_bits) - 1)
         return np.concatenate([self.packed[:n_bytes], last])
 
+    def sole_id(self) -> int | None:
+        """The one allowed id when exactly one is allowed, else None; read off the packed bits
+        (no pass over V ids)."""
+        if self.n_allowed != 1:
+            return None
+        allowed = self.allowed_bytes()
+        byte = int(np.flatnonzero(allowed)[0])
+        return 8 * byte + int(allowed[byte]).bit_length() - 1
+
     def allowed_ids(self) -> np.ndarray:
         """int64 (n_allowed,): the allowed ids, ascending."""
         return np.flatnonzero(self.allowed())

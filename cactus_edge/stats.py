@@ -26,7 +26,7 @@ class StepStats:
     kl: float | None = None  # mean KL(out ‖ target) over the positions decided this step
     drafter: DraftSource = "model"  # what proposed this block ("none": k = 0)
     n_decided: int = 0  # draft positions the rule judged (accepted ones + the first rejection)
-    n_forced: int = 0  # leading drafts the grammar forced (proposed without a draft model)
+    n_forced: int = 0  # accepted drafts the grammar forced (proposed without a draft model)
 
 
 # Where a step's time goes (``--profile``): the two decodes, and host work by kind.
@@ -152,7 +152,7 @@ class GenerationStats:
         self.n_verifier_calls += 1
         self.n_drafted += step.n_draft
         self.n_accepted += step.n_accepted
-        self.n_forced += min(step.n_forced, step.n_accepted)
+        self.n_forced += step.n_forced
         grow = step.n_draft - len(self.tried_by_position)
         if grow > 0:
             self.tried_by_position += [0] * grow

@@ -35,6 +35,8 @@ SCHEMA = {
 }
 # A literal the grammar forces from the first token on, then free words.
 FORCED_LARK = 'start: "the number of people is " /[a-z ]{1,40}/'
+# Free letters and forced literals in turn: forced runs start after a draft, inside a block.
+ALTERNATING_LARK = 'start: /[a-z]{2}/ " is the " /[a-z]{2}/ " and the " /[a-z]{2}/ " of " /[a-z ]{1,30}/'
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +82,17 @@ def test_a_packed_mask_answers_like_its_unpacked_rows_and_ignores_padding_bits()
     with np.errstate(divide="ignore"):
         np.testing.assert_array_equal(mask.additive, np.log(allowed.astype(np.float32)))
     assert mask.additive.dtype == np.float32 and mask.additive.shape == (vocab_size,)
+
+
+@pytest.mark.parametrize("token", [0, 7, 8, 500, 1002])
+def test_a_mask_allowing_one_token_names_it_and_padding_bits_do_not_count(token):
+    vocab_size = 1003
+    allowed = np.arange(vocab_size) == token
+    padded = np.concatenate([allowed, np.ones(21, dtype=bool)])  # padding bits set, as llguidance may
+    assert TokenMask(np.packbits(padded, bitorder="little"), vocab_size).sole_id() == token
+    allowed[(token + 1) % vocab_size] = True
+    assert TokenMask(np.packbits(allowed, bitorder="little"), vocab_size).sole_id() is None
+    assert TokenMask(np.packbits(np.zeros(vocab_size, bool), bitorder="little"), vocab_size).sole_id() is None
 
 
 # --- penalties and the shaper, alone --------------------------------------------------------------
@@ -135,7 +148,14 @@ def test_the_shaper_follows_advance_and_rewind_and_its_trigger():
 
 
 @pytest.mark.parametrize(
-    "constraint", [{"regex": WORDS_REGEX}, {"json_schema": SCHEMA}, {"grammar": FORCED_LARK}], ids=str
+    "constraint",
+    [
+        {"regex": WORDS_REGEX},
+        {"json_schema": SCHEMA},
+        {"grammar": FORCED_LARK},
+        {"grammar": ALTERNATING_LARK},
+    ],
+    ids=str,
 )
 @pytest.mark.parametrize(
     "method,drafter", [("sps", "model"), ("cactus", "model+lookup"), ("exact", "lookup")]
@@ -193,6 +213,63 @@ def test_forced_tokens_are_proposed_without_the_draft_model(engine, monkeypatch)
     assert draft_decodes == []
     assert {s.drafter for s in whole.stats.steps[1:]} == {"forced"}
     assert all(s.n_accepted == s.n_forced == s.n_draft for s in whole.stats.steps[1:])
+
+
+def test_forced_tokens_after_a_draft_cost_no_draft_decode_and_no_target_logits(engine, monkeypatch):
+    """Inside a block, the tokens a grammar forces after a model draft are taken as point masses
+    without a draft decode, and the verify asks llama.cpp for no logits where the grammar allows
+    one token; the reply is still plain greedy's (the near-tie guard is the test above's)."""
+    from cactus_edge.drafters import ModelDrafter
+
+    settings = {"temperature": 0.0, "max_tokens": 40, "grammar": ALTERNATING_LARK}
+    plain = engine.generate(PROMPT, GenerationConfig(method="none", **settings))
+    engine.clear_caches()
+    draft_feeds, verify_rows, proposals = [], [], []
+    real_draft, real_target, real_propose = engine.draft.decode, engine.target.decode, ModelDrafter.propose
+
+    def draft_decode(tokens, *args, **kwargs):
+        draft_feeds.append(list(tokens))
+        return real_draft(tokens, *args, **kwargs)
+
+    def target_decode(tokens, output_rows=(-1,), **kwargs):
+        verify_rows.append((len(tokens), list(output_rows)))
+        return real_target(tokens, output_rows, **kwargs)
+
+    def propose(drafter, *args):
+        n_decodes = len(draft_feeds)
+        proposal = real_propose(drafter, *args)
+        proposals.append((proposal, len(draft_feeds) - n_decodes))
+        return proposal
+
+    monkeypatch.setattr(engine.draft, "decode", draft_decode)
+    monkeypatch.setattr(engine.target, "decode", target_decode)
+    monkeypatch.setattr(ModelDrafter, "propose", propose)
+    spec = engine.generate(PROMPT, GenerationConfig(method="sps", drafter="model", n_draft=6, **settings))
+    assert spec.tokens == plain.tokens
+    with_forced = [(p, n) for p, n in proposals if p.later_forced]
+    assert with_forced, "no block had a forced run after a draft"
+    for proposal, n_decodes in with_forced:
+        # One decode per model draft (the proposal has its leading forced run by now).
+        assert n_decodes == len(proposal.tokens) - len(proposal.forced_indices)
+        assert all(proposal.rows[i].token_ids.tolist() == [proposal.tokens[i]] for i in proposal.later_forced)
+    # Rows where the grammar allowed one token were not computed: fewer rows than k + 1.
+    blocks = zip(verify_rows[1:], _blocks(spec), strict=True)
+    assert any(len(rows) < n_draft + 1 for (_, rows), (n_draft, _) in blocks)
+    assert spec.stats.n_forced > sum(s.n_forced for s in spec.stats.steps if s.drafter == "forced")
+    assert engine.check_caches(engine.tokenize_prompt(PROMPT) + spec.tokens) == []
+    # Logprobs report the raw rows, so every row is computed then.
+    verify_rows.clear()
+    engine.clear_caches()
+    logged = engine.generate(
+        PROMPT, GenerationConfig(method="sps", drafter="model", n_draft=6, logprobs=True, **settings)
+    )
+    blocks = zip(verify_rows[1:], _blocks(logged), strict=True)
+    assert all(len(rows) == n_draft + 1 for (_, rows), (n_draft, _) in blocks)
+
+
+def _blocks(result) -> list[tuple[int, int]]:
+    """(n_draft, n_accepted) of each verify after the prefill."""
+    return [(s.n_draft, s.n_accepted) for s in result.stats.steps[1:]]
 
 
 @pytest.mark.parametrize("wide_pool", [1, 4])  # 1: the wide shortcut never settles a row
@@ -433,6 +510,22 @@ def test_a_forced_only_block_teaches_auto_nothing_about_its_lookup_guess():
     assert planner.trackers == {}
 
 
+def test_forced_tokens_inside_a_block_teach_auto_nothing(monkeypatch):
+    """auto learns the acceptance of drafts only: a forced token after a draft is accepted
+    whenever it is reached, so its verdict is left out, leading or not."""
+    from cactus_edge.adaptive import AcceptanceTracker, CostModel
+    from cactus_edge.drafters import DraftPlanner, Proposal
+
+    recorded = []
+    monkeypatch.setattr(AcceptanceTracker, "record", lambda tracker, probs: recorded.append(probs))
+    planner = DraftPlanner(GenerationConfig(), CostModel(), {})
+    proposal = Proposal(tokens=[4, 5, 6, 7, 8], rows=[None] * 5, source="model", later_forced=[3])
+    proposal.after_forced([3], vocab_size=10)  # a leading forced token too: indices shift by one
+    assert proposal.forced_indices == [0, 4]
+    planner.learn(proposal, (1.0, 0.5, 0.6, 0.7, 1.0, 0.8), emitted_first=3)
+    assert recorded == [(0.5, 0.6, 0.7, 0.8)]
+
+
 def test_the_tokenizer_index_is_built_once_and_each_compile_is_timed(tiny_pair, monkeypatch):
     """warm_up(grammars=True) builds the index up front (a server does, so no request pays it),
     and only once; each grammar's compile time is kept beside it."""
@@ -464,18 +557,17 @@ def test_a_non_finite_shaped_row_is_named_by_its_row_and_cache_position():
     vocab_size, sampling = 512, SamplingConfig(temperature=0.8, top_k=8)
     allowed = np.zeros(vocab_size, dtype=bool)
     allowed[:40] = True  # a narrow mask: rows settle from their allowed entries
-    shaper = LogitShaper([1, 2], new_matcher=lambda: _FixedMatcher(allowed))
+    # The rows are the last 4 of a 10-token cache: the first predicts context index 7.
+    shaper = LogitShaper([1, 2, 3, 4, 5, 6, 7], new_matcher=lambda: _FixedMatcher(allowed))
     rows = np.random.default_rng(3).standard_normal((4, vocab_size)).astype(np.float32)
     rows[2, 7] = np.nan  # an allowed entry of the third row
 
     class Model:
-        n_past = 10
-
         def non_finite_error(self, row, position):
             return ValueError(f"row {row} at position {position}")
 
     with pytest.raises(ValueError, match="row 2 at position 8"):
-        process_decoded(Model(), rows, sampling, None, shaper, 2)
+        process_decoded(Model(), rows, sampling, None, shaper, 7)
 
 
 def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():

@@ -416,7 +416,7 @@ class _Drafting:
         self.generation.reuse_prefixes()
 
     def sample_draft(self, n_draft, guess=()):
-        return self.generation.drafter.model.sample(self.generation.committed, n_draft, guess)
+        return self.generation.drafter.model.sample(self.generation.committed, n_draft, guess)[:3]
 
 
 _drafting = _Drafting

@@ -71,7 +71,7 @@ def test_draft_rows_live_on_the_target_vocabulary_and_never_propose_foreign_ids(
         settings = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "n_draft": 4, "seed": seed}
         generation = _Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading_event())
         generation.reuse_prefixes()  # the draft catches up on the prompt inside sample, as in a step
-        tokens, rows, _ = generation.drafter.model.sample(generation.committed, 4)
+        tokens, rows, _, _ = generation.drafter.model.sample(generation.committed, 4)
         assert all(row.shape[-1] == engine.target.vocab_size for row in rows)
         shared = min(engine.draft.vocab_size, engine.target.vocab_size)
         assert all(t < shared for t in tokens)
