@@ -152,7 +152,8 @@ class DraftPlanner:
 
     def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
         """After a verification: update acceptance estimates and judge a probe. Forced positions
-        teach nothing: every rule accepts them always, whatever drafted before them."""
+        teach nothing about the drafter: every rule accepts them (nearly) always, whatever it
+        drafted. The drafts are learnt in the order the drafter wrote them, forced runs left out."""
         forced = set(proposal.forced_indices)
         # Empty: no draft was judged.
         drafted = tuple(prob for index, prob in enumerate(acceptance_probs) if index not in forced)
@@ -283,9 +284,9 @@ class ModelDrafter:
         own p(d) falls below p_min. Returns (tokens, rows, ms inside llama_decode, the indices
         of tokens the grammar forced).
 
-        Where the grammar forces the tokens after a draft, they are taken as point masses without
-        a decode (the draft's masked row there is one whatever its logits) and fed to the draft
-        with the next decode.
+        Where the grammar forces the tokens after a draft, they are proposed as point masses
+        without a decode (SPEC: a forced token needs no draft model) and fed to the draft with
+        its next decode.
 
         Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
         batch decode of [unseen committed tokens] + guess yields the draft's row after each

@@ -41,7 +41,13 @@ from .config import DEFAULT_N_CTX, GenerationConfig
 from .constraints import LogitShaper
 from .cost_cache import MAX_KEPT_CONTEXT, load_costs, save_costs, still_holds
 from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDrafter, Proposal, process_decoded
-from .errors import ContextLengthError, EngineBusy, EngineClosedError, InvalidSettingError
+from .errors import (
+    ContextLengthError,
+    EngineBusy,
+    EngineClosedError,
+    InvalidSettingError,
+    NonFiniteLogitsError,
+)
 from .events import GenerationResult, StreamEvent
 from .gguf_info import check_pair_compatible, read_gguf
 from .grammar import CompiledGrammars
@@ -565,7 +571,7 @@ class _Generation:
         logits = self.target.decode(feed, output_rows=wanted, copy=False)
         verify_ms = self.target.last_decode_ms
         self.profile.lap("batch + logits", verify_ms, "verify decode")
-        if self.stats.n_verifier_calls:  # the first call is the prompt's prefill, not a verify
+        if self.stats.n_verifier_calls and not fixed:  # not the prefill, nor a verify of fewer rows
             self.engine.costs.record_verify(len(feed), verify_ms)
         target_rows = merge_rows(self.target, logits, self.sampling, self.shaper, first_position, fixed)
         self.profile.lap("target processing")
@@ -622,7 +628,11 @@ def merge_rows(target, logits, sampling, shaper, first_position: int, fixed: dic
         while end < len(wanted) and wanted[end] == wanted[end - 1] + 1:
             end += 1
         position = first_position + wanted[start]
-        run = process_decoded(target, logits[start:end], sampling, None, shaper, position)
+        try:
+            run = process_decoded(target, logits[start:end], sampling, None, shaper, position)
+        except NonFiniteLogitsError as error:  # renumbered: the row of the verify, not of the run
+            row = wanted[start + error.row]
+            raise target.non_finite_error(row, first_position + row - 1) from None
         rows.update((wanted[start + offset], run[offset]) for offset in range(end - start))
         start = end
     return [rows[index] for index in range(len(rows))]

@@ -14,7 +14,7 @@ from cactus_edge import acceptance, constraints
 from cactus_edge.constraints import LogitShaper
 from cactus_edge.drafters import DraftSourceChooser, process_decoded
 from cactus_edge.engine import GenerationConfig, reply_shaper
-from cactus_edge.errors import InvalidSettingError
+from cactus_edge.errors import InvalidSettingError, NonFiniteLogitsError
 from cactus_edge.grammar import TokenMask
 from cactus_edge.penalties import Penalties, apply_penalties
 from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
@@ -201,8 +201,10 @@ def test_forced_tokens_are_proposed_without_the_draft_model(engine, monkeypatch)
     forced_steps = [s for s in result.stats.steps if s.n_forced]
     assert forced_steps, "the literal was never proposed as forced tokens"
     assert result.stats.n_forced >= 4  # the literal is several tokens; only the first is the prefill's
-    # Every forced token is accepted: the constrained target is a point mass on it.
-    assert all(s.n_accepted >= s.n_forced for s in forced_steps)
+    # Every forced token is accepted: the constrained target is a point mass on it (a block of
+    # forced tokens alone is accepted whole; n_forced counts the accepted ones).
+    assert all(s.n_accepted == s.n_draft == s.n_forced for s in forced_steps if s.drafter == "forced")
+    assert any(s.drafter == "forced" for s in forced_steps)
     # A reply the grammar forces whole never decodes the draft model: after the first step (the
     # prefill's) every block is forced tokens, all accepted (the bonus token is the target's),
     # the last one the end of text.
@@ -218,12 +220,13 @@ def test_forced_tokens_are_proposed_without_the_draft_model(engine, monkeypatch)
 def test_forced_tokens_after_a_draft_cost_no_draft_decode_and_no_target_logits(engine, monkeypatch):
     """Inside a block, the tokens a grammar forces after a model draft are taken as point masses
     without a draft decode, and the verify asks llama.cpp for no logits where the grammar allows
-    one token; the reply is still plain greedy's (the near-tie guard is the test above's)."""
+    one token. (That the reply is plain greedy's is the equality test's, with ALTERNATING_LARK.)"""
     from cactus_edge.drafters import ModelDrafter
 
-    settings = {"temperature": 0.0, "max_tokens": 40, "grammar": ALTERNATING_LARK}
-    plain = engine.generate(PROMPT, GenerationConfig(method="none", **settings))
-    engine.clear_caches()
+    config = GenerationConfig(
+        method="sps", drafter="model", n_draft=6, temperature=0.0, max_tokens=40, grammar=ALTERNATING_LARK
+    )
+    n_prompt = len(engine.tokenize_prompt(PROMPT))
     draft_feeds, verify_rows, proposals = [], [], []
     real_draft, real_target, real_propose = engine.draft.decode, engine.target.decode, ModelDrafter.propose
 
@@ -235,23 +238,27 @@ def test_forced_tokens_after_a_draft_cost_no_draft_decode_and_no_target_logits(e
         verify_rows.append((len(tokens), list(output_rows)))
         return real_target(tokens, output_rows, **kwargs)
 
-    def propose(drafter, *args):
-        n_decodes = len(draft_feeds)
-        proposal = real_propose(drafter, *args)
-        proposals.append((proposal, len(draft_feeds) - n_decodes))
+    def propose(drafter, committed, *args):
+        n_decodes, reply = len(draft_feeds), list(committed[n_prompt:])
+        proposal = real_propose(drafter, committed, *args)
+        proposals.append((proposal, reply, list(proposal.tokens), len(draft_feeds) - n_decodes))
         return proposal
 
     monkeypatch.setattr(engine.draft, "decode", draft_decode)
     monkeypatch.setattr(engine.target, "decode", target_decode)
     monkeypatch.setattr(ModelDrafter, "propose", propose)
-    spec = engine.generate(PROMPT, GenerationConfig(method="sps", drafter="model", n_draft=6, **settings))
-    assert spec.tokens == plain.tokens
-    with_forced = [(p, n) for p, n in proposals if p.later_forced]
+    spec = engine.generate(PROMPT, config)
+    with_forced = [entry for entry in proposals if entry[0].later_forced]
     assert with_forced, "no block had a forced run after a draft"
-    for proposal, n_decodes in with_forced:
-        # One decode per model draft (the proposal has its leading forced run by now).
-        assert n_decodes == len(proposal.tokens) - len(proposal.forced_indices)
-        assert all(proposal.rows[i].token_ids.tolist() == [proposal.tokens[i]] for i in proposal.later_forced)
+    for proposal, reply, drafted, n_decodes in with_forced:
+        # Indices taken before after_forced shifted them: into the tokens the drafter returned.
+        later = [index - proposal.n_forced for index in proposal.later_forced]
+        # At most one decode per model draft (a lookup guess may batch several); none per forced.
+        assert n_decodes <= len(drafted) - len(later)
+        for index in later:  # the grammar allowed that token alone there, or only end tokens
+            allowed = np.flatnonzero(reference_mask(engine, config, reply + drafted[:index])).tolist()
+            ends = all(engine.target.is_end_of_generation(t) for t in allowed)
+            assert allowed == [drafted[index]] or (ends and drafted[index] == allowed[0])
     # Rows where the grammar allowed one token were not computed: fewer rows than k + 1.
     blocks = zip(verify_rows[1:], _blocks(spec), strict=True)
     assert any(len(rows) < n_draft + 1 for (_, rows), (n_draft, _) in blocks)
@@ -260,9 +267,7 @@ def test_forced_tokens_after_a_draft_cost_no_draft_decode_and_no_target_logits(e
     # Logprobs report the raw rows, so every row is computed then.
     verify_rows.clear()
     engine.clear_caches()
-    logged = engine.generate(
-        PROMPT, GenerationConfig(method="sps", drafter="model", n_draft=6, logprobs=True, **settings)
-    )
+    logged = engine.generate(PROMPT, config.with_changes(logprobs=True))
     blocks = zip(verify_rows[1:], _blocks(logged), strict=True)
     assert all(len(rows) == n_draft + 1 for (_, rows), (n_draft, _) in blocks)
 
@@ -568,6 +573,83 @@ def test_a_non_finite_shaped_row_is_named_by_its_row_and_cache_position():
 
     with pytest.raises(ValueError, match="row 2 at position 8"):
         process_decoded(Model(), rows, sampling, None, shaper, 7)
+
+
+class _SequenceMatcher(_FixedMatcher):
+    """A grammar whose allowed ids depend on how many tokens it has consumed."""
+
+    def __init__(self, masks):
+        super().__init__(masks[0])
+        self.masks = masks
+
+    def mask(self):
+        self.allowed_row = self.masks[len(self.consumed)]
+        return super().mask()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=0.0),
+        SamplingConfig(temperature=0.8, top_k=8),
+        SamplingConfig(temperature=1.2, top_k=0, top_p=0.9),
+        SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.05),
+    ],
+    ids=["greedy", "top-k", "top-p", "min-p"],
+)
+def test_a_verify_with_fixed_rows_left_out_gives_the_rows_processing_all_would(sampling):
+    """Positions where the grammar allows one token, between and around positions it leaves open:
+    the rows merge_rows builds from the computed rows alone equal processing every row, with
+    bias and penalties on (they cannot move a point mass)."""
+    from cactus_edge.engine import fixed_rows, merge_rows
+
+    vocab_size, rng = 300, np.random.default_rng(8)
+    masks = [
+        rng.random(vocab_size) < 0.3,
+        np.arange(vocab_size) == 17,
+        rng.random(vocab_size) < 0.5,
+        np.arange(vocab_size) == 250,
+        rng.random(vocab_size) < 0.2,
+    ]
+    shaper = LogitShaper(
+        [1, 2],
+        new_matcher=lambda: _SequenceMatcher(masks),
+        bias=(np.array([17, 40]), np.array([-100.0, 3.0])),
+        penalties=Penalties(repeat_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+    )
+    for mask in masks[:4]:  # a draft block of 4 tokens the grammar allows; row 4 is the bonus
+        shaper.advance(int(np.flatnonzero(mask)[-1]))
+    fixed = fixed_rows(shaper, 2, 4)
+    assert fixed == {1: 17, 3: 250}
+    logits = rng.standard_normal((5, vocab_size)).astype(np.float32) * 3
+    whole = process_decoded(None, logits, sampling, None, shaper, 2)
+    target = type("Target", (), {"vocab_size": vocab_size})()
+    merged = merge_rows(target, logits[[0, 2, 4]], sampling, shaper, 2, fixed)
+    assert len(merged) == 5
+    for index in range(5):
+        np.testing.assert_array_equal(to_dense(merged[index]), to_dense(whole[index]))
+
+
+def test_a_non_finite_row_after_a_fixed_one_is_named_by_its_row_in_the_verify():
+    """With a fixed row left out of the decode, the computed rows are renumbered back: the error
+    names the verify's row and its cache position, not the row's index among those computed."""
+    from cactus_edge.engine import merge_rows
+
+    vocab_size, sampling = 64, SamplingConfig(temperature=0.8, top_k=8)
+    shaper = LogitShaper([1, 2, 3, 4, 5, 6, 7], new_matcher=lambda: _FixedMatcher(np.ones(vocab_size, bool)))
+    logits = np.random.default_rng(4).standard_normal((2, vocab_size)).astype(np.float32)
+    logits[1, 3] = np.nan  # the second computed row: row 2 of the verify (row 0 is fixed)
+
+    class Target:
+        vocab_size = 64
+
+        def non_finite_error(self, row, position):
+            return NonFiniteLogitsError(f"row {row} at position {position}", row=row)
+
+    with pytest.raises(NonFiniteLogitsError, match="row 2 at position 8"):
+        merge_rows(Target(), logits, sampling, shaper, 7, {0: 5})
+    rows = merge_rows(Target(), logits[:1], sampling, shaper, 7, {0: 5, 2: 9})
+    assert [r.token_ids.tolist() for r in (rows[0], rows[2])] == [[5], [9]] and len(rows) == 3
 
 
 def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
