@@ -158,13 +158,14 @@ class LogitShaper:
         if run:
             return run
         mask = self.mask_at(self.position)
+        sole = mask.sole_id()
+        if sole is not None:
+            return [sole]
         # Counted on the packed bits: listing the ids of a mostly-open mask costs a millisecond.
-        if mask.n_allowed == 0 or mask.n_allowed > max(1, len(self.end_tokens)):
+        if mask.n_allowed == 0 or mask.n_allowed > len(self.end_tokens):
             return []
         allowed = mask.allowed_ids()
-        if allowed.size == 1 or self.end_tokens.issuperset(allowed.tolist()):
-            return [int(allowed[0])]
-        return []
+        return [int(allowed[0])] if self.end_tokens.issuperset(allowed.tolist()) else []
 
     def take_forced(self, room: int) -> list[int]:
         """Up to ``room`` tokens the grammar forces from here, advanced over: run after run (each

@@ -416,8 +416,7 @@ class DraftSourceChooser:
         return rest.after_forced(forced, self.lookup.vocab_size)
 
     def forced(self, room: int) -> list[int]:
-        """Up to ``room`` tokens the grammar forces from here, followed by the shaper: run after run
-        (each forced run may end where the next begins), until none is forced or the text ends."""
+        """Up to ``room`` tokens the grammar forces from here (:meth:`LogitShaper.take_forced`)."""
         if self.shaper is None or room == 0:
             return []
         forced = self.shaper.take_forced(room)
