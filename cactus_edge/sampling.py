@@ -243,23 +243,40 @@ def process_candidates(
     alone: the same SparseProbs (ids, order and padding included) without a pass over V. For
     a grammar's narrow masks; only where :func:`has_candidate_path` holds."""
     values = np.asarray(candidate_logits)
-    _check_finite(np.array([values.max() if values.size else -np.inf]))  # NaN, +inf, or none finite
-    finite = values > -np.inf
-    ids, values = candidate_ids[finite], values[finite]
-    if not config.greedy and ids.size > 2 * config.top_k:
-        # Keep the entries at or above the k-th largest (ties included) before sorting.
-        kth = np.partition(values, ids.size - config.top_k)[ids.size - config.top_k]
-        ids, values = ids[values >= kth], values[values >= kth]
+    # One max decides the error (a NaN is the max) and whether any entry is -inf to drop; the
+    # calls are few because each costs microseconds on caches a forward pass has just flushed.
+    if not values.size or not math.isfinite(values.max()):
+        raise non_finite_row_error(0)  # NaN, +inf, or no finite entry
+    ids = candidate_ids
     if config.greedy:
         best = int(np.argmax(values))  # the first maximum: the lowest id, as argmax over V
         return SparseProbs(ids[best : best + 1], np.ones(1, dtype=np.float64), vocab_size)
-    order = np.lexsort((ids, -values))[: config.top_k]
-    n_pad = config.top_k - order.size
-    # As top_k_logits pads a row with fewer finite entries than k: the lowest ids at -inf.
-    padding = np.setdiff1d(np.arange(n_pad + ids.size), ids, assume_unique=True)[:n_pad]
-    top_ids = np.concatenate([ids[order], padding]).astype(np.int64)
-    top_values = np.concatenate([values[order], np.full(n_pad, -np.inf, dtype=values.dtype)])
+    n_keep = config.top_k
+    if ids.size > n_keep:
+        # The entries at or above the k-th largest (ties included), in id order, before sorting.
+        kth = np.partition(values, ids.size - n_keep)[ids.size - n_keep]
+        kept = np.flatnonzero(values >= kth) if kth > -np.inf else np.flatnonzero(values > -np.inf)
+        ids, values = ids[kept], values[kept]
+    elif values.min() == -np.inf:
+        kept = np.flatnonzero(values > -np.inf)
+        ids, values = ids[kept], values[kept]
+    # Stable on ascending ids: ties keep the lower id first, as top_k_logits orders them.
+    order = np.argsort(-values, kind="stable")[:n_keep]
+    top_ids, top_values = ids[order].astype(np.int64, copy=False), values[order]
+    if order.size < n_keep:
+        top_ids, top_values = _pad_with_lowest_ids(top_ids, top_values, n_keep)
     return _top_k_probs(top_ids[None], top_values[None], vocab_size, config)[0]
+
+
+def _pad_with_lowest_ids(ids: np.ndarray, values: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
+    """A row's top entries (fewer than n_keep finite) padded as top_k_logits pads such a row:
+    with the lowest ids outside ``ids``, at -inf."""
+    n_pad = n_keep - ids.size
+    padding = np.setdiff1d(np.arange(n_pad + ids.size), ids)[:n_pad]
+    return (
+        np.concatenate([ids, padding]).astype(np.int64),
+        np.concatenate([values, np.full(n_pad, -np.inf, dtype=values.dtype)]),
+    )
 
 
 _GROUP_SIZE = 64
@@ -284,44 +301,36 @@ def top_k_logits(rows: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]
         return _top_k_by_sorting(rows, n_keep)
     whole = n_groups * _GROUP_SIZE
     group_max = rows[:, :whole].reshape(n_rows, _GROUP_SIZE, n_groups).max(axis=1)  # a NaN wins
-    floor = _floors(group_max, n_keep)
     tail = rows[:, whole:]  # ids past the last whole group: candidates of their own
     row_max = group_max.max(axis=-1)  # a NaN wins
     _check_finite(np.maximum(row_max, tail.max(axis=-1)) if tail.size else row_max)
     ids = np.empty((n_rows, n_keep), dtype=np.int64)
-    values = np.empty((n_rows, n_keep), dtype=rows.dtype)
-    offsets = _group_offsets(n_groups)
     for index in range(n_rows):
-        if floor[index] == -np.inf:  # finite entries in fewer than n_keep groups: a grammar's mask
-            groups = np.flatnonzero(group_max[index] > -np.inf)
-            ids[index] = _top_k_of_few_finite(rows[index], groups, offsets, whole, n_keep)
-            values[index] = rows[index, ids[index]]
-            continue
-        groups = np.flatnonzero(group_max[index] >= floor[index])
-        if groups.size > 4 * n_keep:  # many groups tie at the floor
-            ids[index] = _top_k_around_floor(rows[index], floor[index], n_keep)
-            values[index] = rows[index, ids[index]]
-            continue
-        candidates = (groups[:, None] + offsets).ravel()
-        if tail.size:
-            candidates = np.concatenate([candidates, whole + np.arange(tail.shape[1])])
-        candidate_values = rows[index, candidates]
-        keep = candidate_values >= floor[index]
-        candidates, candidate_values = candidates[keep], candidate_values[keep]
-        order = np.lexsort((candidates, -candidate_values))[:n_keep]
-        ids[index], values[index] = candidates[order], candidate_values[order]
-    return ids, values
+        ids[index] = _top_k_of_row(rows[index], group_max[index], whole, n_keep)
+    return ids, np.take_along_axis(rows, ids, axis=-1)
 
 
-def _floors(group_max: np.ndarray, n_keep: int) -> np.ndarray:
-    """Each row's n_keep-th largest group maximum (n, n_groups) → (n,); -inf where fewer than
-    n_keep groups hold a finite entry. Those rows (a grammar's mask) skip the partition, which
-    is slow over thousands of tied -inf."""
-    floor = np.full(group_max.shape[0], -np.inf, dtype=group_max.dtype)
-    many = np.count_nonzero(group_max > -np.inf, axis=-1) >= n_keep
-    if many.any():
-        floor[many] = np.partition(group_max[many], -n_keep, axis=-1)[:, -n_keep]
-    return floor
+def _top_k_of_row(row: np.ndarray, group_max: np.ndarray, whole: int, n_keep: int) -> np.ndarray:
+    """The top-k ids of one finite row (V,), given its group maxima (n_groups,), in few numpy
+    calls: each costs microseconds on the caches a forward pass has just flushed."""
+    offsets = _group_offsets(group_max.size)
+    finite = group_max > -np.inf
+    n_finite = np.count_nonzero(finite)
+    if n_finite < n_keep:  # finite entries in fewer than n_keep groups: a grammar's mask
+        return _top_k_of_few_finite(row, np.flatnonzero(finite), offsets, whole, n_keep)
+    # Partitioning thousands of tied -inf (a masked row) costs ten times a real row's.
+    ranked = group_max if n_finite == group_max.size else group_max[finite]
+    floor = np.partition(ranked, n_finite - n_keep)[n_finite - n_keep]
+    groups = np.flatnonzero(group_max >= floor)
+    if groups.size > 4 * n_keep:  # many groups tie at the floor
+        return _top_k_around_floor(row, floor, n_keep)
+    candidates = (groups[:, None] + offsets).ravel()
+    if whole < row.size:
+        candidates = np.concatenate([candidates, np.arange(whole, row.size)])
+    candidate_values = row[candidates]
+    keep = np.flatnonzero(candidate_values >= floor)
+    candidates, candidate_values = candidates[keep], candidate_values[keep]
+    return candidates[np.lexsort((candidates, -candidate_values))[:n_keep]]
 
 
 def _top_k_of_few_finite(

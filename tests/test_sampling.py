@@ -234,15 +234,19 @@ def test_the_lowest_ids_at_a_tie_are_found_block_by_block(first_tie, count):
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.greedy or c.top_k], ids=repr)
 @pytest.mark.parametrize("vocab_size", [151_936, 151_973])
 @pytest.mark.parametrize("n_allowed", [1, 3, 19, 20, 21, 500])
-def test_candidates_give_what_the_masked_row_gives(config, vocab_size, n_allowed):
+@pytest.mark.parametrize("n_minus_inf", [0, 2])
+def test_candidates_give_what_the_masked_row_gives(config, vocab_size, n_allowed, n_minus_inf):
     # A grammar's narrow mask: the row is -inf outside the allowed ids. Processing the allowed
     # entries alone must give the dense path's SparseProbs exactly: ids, order, padding, probs.
+    # Some allowed entries may be -inf themselves (a -inf bias): they pad, never rank.
     rng = np.random.default_rng(n_allowed * 7 + vocab_size)
     logits = np.round(rng.standard_normal(vocab_size) * 2, 1).astype(np.float32)  # with ties
     allowed = np.sort(rng.choice(vocab_size, n_allowed, replace=False))
     allowed[-1] = vocab_size - 1  # one in the tail past the last whole group, where there is one
     allowed[0] = 2  # a low id: padding must skip it (the lowest ids at -inf, not 0, 1, 2, ...)
     allowed = np.unique(allowed)
+    if n_minus_inf and allowed.size > n_minus_inf:
+        logits[allowed[1 : 1 + n_minus_inf]] = -np.inf
     masked = np.full(vocab_size, -np.inf, dtype=np.float32)
     masked[allowed] = logits[allowed]
     expected = process_logits(masked, config)
