@@ -1,7 +1,10 @@
 """What a block of n tokens costs the default target against one token, with logits for every row
 or for the last only (the cheapest a block can be: rows the grammar fixes need none). Median of 6,
 ms inside llama_decode. n * t(1) / t(n) is the most any drafter could gain with blocks of n, every
-draft free and accepted."""
+draft free and accepted. An argument gives the number of times the code is repeated in the
+context (3 by default, about 100 tokens; 12 is about 400)."""
+
+import sys
 
 import numpy as np
 
@@ -12,7 +15,8 @@ SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 
 engine = Engine.from_pair("default")
 target = engine.target
-tokens = target.tokenize(CODE * 3)
+tokens = target.tokenize(CODE * (int(sys.argv[1]) if len(sys.argv) > 1 else 3))
+print("context", len(tokens), "tokens")
 target.decode(tokens, output_rows=[-1])
 base = target.n_past
 times: dict[tuple[int, str], list[float]] = {(n, rows): [] for n in SIZES for rows in ("all", "last")}

@@ -1,0 +1,35 @@
+"""Every target decode of the defaults on the first 5 structured prompts (constrained, 256 tokens):
+(tokens in the batch, logits rows) → how many, median ms inside llama_decode (prefill left out)."""
+
+import collections
+import json
+
+import numpy as np
+
+from cactus_edge import Engine, GenerationConfig
+from cactus_edge.bench import load_structured
+
+engine = Engine.from_pair("default", n_ctx=4096)
+target = engine.target
+decodes: list[tuple[int, int, float]] = []
+decode = target.decode
+
+
+def logged(tokens, output_rows=None, **kwargs):
+    result = decode(tokens, output_rows=output_rows, **kwargs)
+    n_rows = len(list(output_rows)) if output_rows is not None else len(tokens)
+    decodes.append((len(tokens), n_rows, target.last_decode_ms))
+    return result
+
+
+target.decode = logged
+by_shape: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
+for entry in load_structured()[:5]:
+    engine.clear_caches()
+    decodes.clear()
+    config = GenerationConfig(max_tokens=256, seed=0, json_schema=json.dumps(entry["json_schema"]))
+    engine.chat([{"role": "user", "content": entry["prompt"]}], config)
+    for n_tokens, n_rows, ms in decodes[1:]:
+        by_shape[n_tokens, n_rows].append(ms)
+for (n_tokens, n_rows), times in sorted(by_shape.items()):
+    print(f"{n_tokens} tokens, {n_rows} logits rows: {len(times)} decodes, median {np.median(times):.1f} ms")
