@@ -209,9 +209,9 @@ class GrammarMatcher:
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (llguidance's fast-forward tokens), [] if none."""
-        # The forced bytes are cheap to ask for (a fifth of the tokens' cost, measured); most
-        # positions force none, and then no token is forced either.
-        tokens = self._matcher.compute_ff_tokens() if self._matcher.compute_ff_bytes() else []
+        # Not compute_ff_bytes first, though cheaper: it forces the bytes into the parser even
+        # where the grammar asked for no forcing (llguidance's no_forcing), changing its masks.
+        tokens = self._matcher.compute_ff_tokens()
         self._check()
         return [int(t) for t in tokens]
 

@@ -243,8 +243,8 @@ def process_candidates(
     alone: the same SparseProbs (ids, order and padding included) without a pass over V. For
     a grammar's narrow masks; only where :func:`has_candidate_path` holds."""
     values = np.asarray(candidate_logits)
-    # One max decides the error (a NaN is the max) and whether any entry is -inf to drop; the
-    # calls are few because each costs microseconds on caches a forward pass has just flushed.
+    # One max decides the error (a NaN is the max). Few calls: each costs microseconds on the
+    # caches a forward pass has just flushed.
     if not values.size or not math.isfinite(values.max()):
         raise non_finite_row_error(0)  # NaN, +inf, or no finite entry
     ids = candidate_ids

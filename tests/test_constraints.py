@@ -69,6 +69,15 @@ def reference_penalties(logits, context, n_prompt, penalties: Penalties) -> np.n
 # --- the packed mask ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bits", [0x00, 0xFF])
+def test_a_mask_allowing_nothing_or_everything_lists_its_ids(bits):
+    vocab_size = 1003  # the last byte's padding bits are set with 0xFF
+    mask = TokenMask(np.full(128, bits, dtype=np.uint8), vocab_size)
+    expected = np.arange(vocab_size) if bits else np.empty(0, dtype=np.int64)
+    np.testing.assert_array_equal(mask.allowed_ids(), expected)
+    assert mask.allowed_ids().dtype == np.int64 and mask.n_allowed == expected.size
+
+
 def test_a_packed_mask_answers_like_its_unpacked_rows_and_ignores_padding_bits():
     rng = np.random.default_rng(3)
     vocab_size = 1003  # not a multiple of 8 nor 32: llguidance pads the bits to whole words

@@ -144,7 +144,7 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
     # value, ties by lower id), whatever the grouping.
     rng = np.random.default_rng(vocab_size)
     n_groups = vocab_size // 64
-    rows = rng.standard_normal((6, vocab_size)).astype(np.float32)
+    rows = rng.standard_normal((8, vocab_size)).astype(np.float32)
     rows[0, 7 + n_groups * np.arange(30)] = 50 + np.arange(30)  # one group holds them all
     rows[1, -37:] = 60.0 + np.arange(37)  # the tail (or the end of the last group)
     rows[2, rng.choice(vocab_size, 25, replace=False)] = 40.0
@@ -154,9 +154,17 @@ def test_top_k_by_groups_is_exact_on_adversarial_rows(vocab_size):
     rows[4, finite] = np.round(rng.standard_normal(finite.size))  # with ties
     rows[5] = -np.inf  # fewer finite entries than n_keep, one past the last whole group
     rows[5, [3, 64 * n_groups + 2 if vocab_size % 64 > 2 else 17, 900]] = [1.0, 2.0, 1.0]
+    # Finite in 60 groups only (a wide grammar mask): more than n_keep, far fewer than all, ties
+    # at the floor; then the same groups all tied.
+    some_groups = np.concatenate(
+        [g + n_groups * np.arange(64) for g in rng.choice(n_groups, 60, replace=False)]
+    )
+    rows[6:] = -np.inf
+    rows[6, some_groups] = np.round(rng.standard_normal(some_groups.size))
+    rows[7, some_groups] = 1.0
     for n_keep in (1, 20, 50):
         ids, values = top_k_logits(rows, n_keep)
-        assert ids.shape == values.shape == (6, n_keep)
+        assert ids.shape == values.shape == (8, n_keep)
         for row, row_ids, row_values in zip(rows, ids, values, strict=True):
             assert len(set(row_ids.tolist())) == n_keep
             np.testing.assert_array_equal(row[row_ids], row_values)
