@@ -692,6 +692,22 @@ def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
     assert not grammar_accepts(colon_only, '{"name":"Ada",\n"age":36}')
 
 
+@pytest.mark.parametrize("no_forcing", [True, False])
+def test_a_grammar_that_forbids_forcing_forces_no_tokens(no_forcing):
+    # llguidance's no_forcing: asking for its forced bytes would force them anyway (a shortcut
+    # once taken here), and later forced tokens and masks would follow from them.
+    import llguidance
+
+    from cactus_edge.grammar import GrammarMatcher
+
+    tokenizer = llguidance.LLTokenizer("byte")
+    head = '%llguidance {"no_forcing": true}\n' if no_forcing else ""
+    source = llguidance.LLMatcher.grammar_from_lark(head + 'start: "JSON" /[a-z]+/')
+    matcher = GrammarMatcher(llguidance.LLMatcher(tokenizer, source), tokenizer.vocab_size)
+    assert tokenizer.decode_bytes(matcher.forced()) == (b"" if no_forcing else b"JSON")
+    assert tokenizer.decode_bytes(matcher.forced()) == (b"" if no_forcing else b"JSON")  # asked twice
+
+
 @pytest.mark.parametrize("text", ["true", "[1]"])
 def test_schema_text_that_is_no_object_is_a_typed_error_never_a_crash(text):
     from cactus_edge.grammar import grammar_source
