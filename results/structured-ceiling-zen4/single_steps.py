@@ -1,8 +1,10 @@
 """Single-token target decodes inside real generations, by variant: plain decoding, the defaults
 with k = 0 (no drafting at all), lookup drafting only, and the defaults; the first 6 structured
 prompts constrained to their schemas, each prompt run by every variant in turn from empty caches.
-Median and mean ms inside llama_decode (prefill left out). An argument "two" runs plain decoding
-and the defaults only (the first three runs in single_steps.txt)."""
+Median and mean ms inside llama_decode (prefill left out), by logits rows: a token after which the
+grammar forces the next one is decoded with none (its row is fixed), which plain decoding does
+one token at a time and speculation inside blocks. An argument "two" runs plain decoding and the
+defaults only."""
 
 import collections
 import json
@@ -24,18 +26,19 @@ if sys.argv[1:] == ["two"]:
 
 engine = Engine.from_pair("default", n_ctx=4096)
 target = engine.target
-decodes: list[tuple[int, float]] = []
+decodes: list[tuple[int, int, float]] = []  # (tokens, logits rows, ms)
 decode = target.decode
 
 
-def logged(tokens, *args, **kwargs):
-    result = decode(tokens, *args, **kwargs)
-    decodes.append((len(tokens), target.last_decode_ms))
+def logged(tokens, output_rows=None, **kwargs):
+    result = decode(tokens, output_rows=output_rows, **kwargs)
+    n_rows = len(list(output_rows)) if output_rows is not None else len(tokens)
+    decodes.append((len(tokens), n_rows, target.last_decode_ms))
     return result
 
 
 target.decode = logged
-single_ms: dict[str, list[float]] = collections.defaultdict(list)
+single_ms: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
 for entry in load_structured()[:6]:
     for name, settings in VARIANTS.items():
         engine.clear_caches()
@@ -44,7 +47,9 @@ for entry in load_structured()[:6]:
             max_tokens=256, seed=0, json_schema=json.dumps(entry["json_schema"]), **settings
         )
         engine.chat([{"role": "user", "content": entry["prompt"]}], config)
-        single_ms[name] += [ms for n_tokens, ms in decodes[1:] if n_tokens == 1]
-for name, values in single_ms.items():
+        for n_tokens, n_rows, ms in decodes[1:]:
+            if n_tokens == 1:
+                single_ms[name, n_rows].append(ms)
+for (name, n_rows), values in sorted(single_ms.items()):
     summary = f"median {np.median(values):.2f} ms, mean {np.mean(values):.2f} ms"
-    print(f"{name:14s} single-token decodes {len(values):4d}, {summary}")
+    print(f"{name:14s} single-token decodes with {n_rows} logits rows {len(values):4d}, {summary}")
