@@ -381,7 +381,8 @@ def parse_tool_calls(
     Calls are recognised in the Hermes form (``<tool_call>{json}</tool_call>``, any number,
     anywhere) and in the looser forms Qwen2.5-Coder emits: a fenced JSON block (```` ```json ````
     or a bare fence), a ``<tools>...</tools>`` wrapping, and a bare ``{"name": ...}`` object at the
-    start of the reply (before any other text; calls may precede it). Each object must read
+    start of the reply (before any other text; calls may precede it), also inside doubled braces
+    (``{{"name": ...}}``, as Qwen2.5's template spells its example). Each object must read
     ``{"name": "<one of tool_names>", "arguments": {...}}``, "name" first; "arguments" may be a
     JSON string or be called "parameters", and may be missing (no arguments). A block with
     anything else in it, an unknown name included, is not a call and stays in the content as
@@ -550,6 +551,7 @@ class _Block:
         self.pos = 0
         self.reader: _ObjectReader | None = None
         self.opened = False
+        self.doubled = False  # a bare object inside a second pair of braces
 
     def advance(self, text: str, final: bool, cut: bool = False) -> Any:
         if not self.opened:
@@ -566,7 +568,7 @@ class _Block:
                 self.pos, call = outcome
                 self.calls.append(call)
                 self.reader = None
-                if not self.opener:
+                if not self.opener and not self.doubled:
                     return self.pos
             outcome = self._between_objects(text, final, cut)
             if outcome is not None:
@@ -596,6 +598,15 @@ class _Block:
         while position < len(text) and text[position] in _SPACE:
             position += 1
         rest = text[position:]
+        if not self.opener and not self.calls and not self.doubled and rest.startswith("{"):
+            inner = rest[1:].lstrip(_SPACE)
+            if not inner and not final:
+                return _MORE  # a brace alone: an object, or the first of two
+            if inner.startswith("{"):
+                # Qwen2.5's template shows a call as {{"name": ...}}, and small models copy it.
+                self.doubled, self.closer = True, "}"
+                position = len(text) - len(inner)
+                rest = inner
         if rest.startswith("{"):
             self.pos = position
             marked = self.opener == CALL_OPEN or bool(self.calls)

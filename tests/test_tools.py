@@ -303,6 +303,9 @@ ACCEPTED_FORMS = [
     ("\n  " + PARIS_JSON + '\n{"name": "search"}', None, [PARIS, ("search", {})]),
     ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}', None, [PARIS]),
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
+    ("{" + PARIS_JSON + "}", None, [PARIS]),  # doubled braces, as Qwen2.5's template shows a call
+    ("{ \n" + PARIS_JSON + " }\nDone.", "Done.", [PARIS]),
+    ("{" + PARIS_JSON, None, [PARIS]),  # ... the reply ended before the second closing brace
     ("<tool_call>\n" + PARIS_JSON, None, [PARIS]),  # the reply ended before the closing marker
     ("<tool_call>\n" + PARIS_JSON + "\n</tool_", None, [PARIS]),  # ... or inside it
     ("```json\n" + PARIS_JSON + "\n``", None, [PARIS]),
@@ -358,6 +361,9 @@ REFUSED_FORMS = [
     "<tool_call></tool_call>",
     '{"name": "search", "name": "delete_everything", "arguments": {}}',  # JSON keeps the last name
     "a < b, `x`, ``y``, <tools are fine>",
+    '{{"name": "Ada", "age": 36}}',  # doubled braces around no call
+    '{{"name": "search", "arguments": {}} and prose}',
+    'So: {{"name": "search", "arguments": {}}}',  # not at the start
 ]
 
 
@@ -492,6 +498,7 @@ SEGMENTS = [
     '```json\n{"name": "Ada"}\n```',
     '<tools>\n{"name": "search", "arguments": "{\\"q\\": 2}"}\n</tools>',
     '{"name": "get_weather", "parameters": {"city": "Bare"}}',
+    '{{"name": "search", "arguments": {"q": "doubled"}}}',
     '<tool_call>\n{"name": "search", "arguments": {"q": "unfinished"',
 ]
 
@@ -539,6 +546,11 @@ def test_a_leading_brace_or_fence_is_held_until_its_head_tells():
     stream = ToolCallStream(NAMES)
     assert stream.feed('{"na') == []
     assert stream.feed('me": "Ada"') == [ContentDelta('{"name": "Ada"')]  # no tool of that name
+    stream = ToolCallStream(NAMES)  # a brace alone may be the first of two around a call
+    assert stream.feed("{") == []
+    assert stream.feed(" \n") == []
+    deltas = stream.feed(PARIS_JSON + "}") + stream.finish()
+    assert stream_result(deltas) == (None, [PARIS])
     stream = ToolCallStream(NAMES)
     assert stream.feed("``") == []
     assert stream.feed("`pyth") == []
