@@ -535,7 +535,8 @@ def _held_prefix(text: str) -> int:
 
 class _Block:
     """One candidate call block read from the start of the held text: its opener, one or more
-    call objects separated by whitespace, and its closer (a bare object is one object alone).
+    call objects separated by whitespace, and its closer (a bare object is one object alone, or
+    the objects inside a second pair of braces up to its closing one).
 
     ``advance(text, final, cut)`` is called with the same text growing; it returns _MORE,
     _NOT_A_CALL, or the length of the block, with ``calls`` then holding (name, arguments) pairs. Every
