@@ -5,24 +5,14 @@ import collections
 import json
 
 import numpy as np
+from common import log_decodes
 
 from cactus_edge import Engine, GenerationConfig
 from cactus_edge.bench import load_structured
 
 engine = Engine.from_pair("default", n_ctx=4096)
 target = engine.target
-decodes: list[tuple[int, int, float]] = []
-decode = target.decode
-
-
-def logged(tokens, output_rows=None, **kwargs):
-    result = decode(tokens, output_rows=output_rows, **kwargs)
-    n_rows = len(list(output_rows)) if output_rows is not None else len(tokens)
-    decodes.append((len(tokens), n_rows, target.last_decode_ms))
-    return result
-
-
-target.decode = logged
+decodes = log_decodes(target)  # (tokens, logits rows, ms)
 by_shape: dict[tuple[int, int], list[float]] = collections.defaultdict(list)
 for entry in load_structured()[:5]:
     engine.clear_caches()

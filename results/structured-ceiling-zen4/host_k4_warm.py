@@ -3,13 +3,13 @@ warm ones (the same call again, as on a host whose model runs on a GPU): ms per 
 first 3 structured prompts, with and without their schemas."""
 
 import collections
-import json
 import time
+
+from common import k4_replies
 
 import cactus_edge.drafters as drafters
 import cactus_edge.engine as engine_module
-from cactus_edge import Engine, GenerationConfig
-from cactus_edge.bench import load_structured
+from cactus_edge import Engine
 
 seconds: dict[str, float] = collections.defaultdict(float)
 
@@ -35,12 +35,7 @@ engine = Engine.from_pair("default", n_ctx=4096)
 for constrained in (True, False):
     seconds.clear()
     n_steps = 0
-    for entry in load_structured()[:3]:
-        settings = dict(n_draft=4, drafter="model", max_tokens=160, seed=0)
-        if constrained:
-            settings["json_schema"] = json.dumps(entry["json_schema"])
-        engine.clear_caches()
-        messages = [{"role": "user", "content": entry["prompt"]}]
-        n_steps += engine.chat(messages, GenerationConfig(**settings)).stats.n_verifier_calls
+    for stats in k4_replies(engine, constrained):
+        n_steps += stats.n_verifier_calls
     per_step = {part: round(value * 1000 / n_steps, 3) for part, value in seconds.items()}
     print("constrained" if constrained else "unconstrained", per_step)

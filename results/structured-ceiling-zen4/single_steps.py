@@ -11,6 +11,7 @@ import json
 import sys
 
 import numpy as np
+from common import log_decodes
 
 from cactus_edge import Engine, GenerationConfig
 from cactus_edge.bench import load_structured
@@ -26,18 +27,7 @@ if sys.argv[1:] == ["two"]:
 
 engine = Engine.from_pair("default", n_ctx=4096)
 target = engine.target
-decodes: list[tuple[int, int, float]] = []  # (tokens, logits rows, ms)
-decode = target.decode
-
-
-def logged(tokens, output_rows=None, **kwargs):
-    result = decode(tokens, output_rows=output_rows, **kwargs)
-    n_rows = len(list(output_rows)) if output_rows is not None else len(tokens)
-    decodes.append((len(tokens), n_rows, target.last_decode_ms))
-    return result
-
-
-target.decode = logged
+decodes = log_decodes(target)  # (tokens, logits rows, ms)
 single_ms: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
 for entry in load_structured()[:6]:
     for name, settings in VARIANTS.items():
