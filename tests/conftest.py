@@ -20,6 +20,11 @@ os.environ["CACTUS_EDGE_COST_CACHE"] = "off"
 
 # Same size as the tiny pair's vocabulary, different token order: only the texts differ.
 MISMATCH_WORDS = tuple(reversed(BASE_WORDS))
+# The shared tiny-model fixtures run llama.cpp on one thread: with two, each operation meets at a
+# barrier, and on a 2-core machine that something else also uses, the waits spin for whole time
+# slices (a tiny-pair generation then takes minutes instead of milliseconds). One thread computes
+# the same logits: llama.cpp splits a matrix product by rows, not within a dot product.
+TEST_THREADS = 1
 # 20 words (40 tokens: "▁word" and "word") appended to the vocabulary: a pair whose sizes differ
 # at the end, as Qwen2.5-0.5B (151,936) and Qwen2.5-7B (152,064) do.
 EXTRA_WORDS = tuple(
@@ -79,11 +84,11 @@ def tiny_pair(tiny_dir) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    """An engine over the tiny pair (n_ctx 512), one per test module; a module needing another
-    one defines its own ``engine``."""
+    """An engine over the tiny pair (n_ctx 512, one llama.cpp thread), one per test module; a
+    module needing another one defines its own ``engine``."""
     from cactus_edge.engine import Engine
 
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512) as engine:
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS) as engine:
         yield engine
 
 
@@ -92,7 +97,7 @@ def target_alone(tiny_pair):
     """The tiny pair's target on its own (n_ctx 512), for reference rows."""
     from cactus_edge.backend import LlamaModel
 
-    with LlamaModel(tiny_pair[1], n_ctx=512) as model:
+    with LlamaModel(tiny_pair[1], n_ctx=512, n_threads=TEST_THREADS) as model:
         yield model
 
 

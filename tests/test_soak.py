@@ -4,7 +4,7 @@ import pytest
 
 from cactus_edge.engine import Engine
 
-from .conftest import load_script
+from .conftest import TEST_THREADS, load_script
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def soak_module():
 
 
 def test_a_short_soak_on_the_tiny_pair_is_consistent(soak_module, tiny_pair):
-    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=256) as engine:
+    with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=256, n_threads=TEST_THREADS) as engine:
         result = soak_module.soak(engine, turns=21, max_tokens=24)
     assert result["problems"] == []
     assert {"cancelled", "closed"} <= set(result["finishes"])

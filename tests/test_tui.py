@@ -1,4 +1,8 @@
-"""The Textual chat, driven with Pilot: a fake engine streams scripted tokens with their origin."""
+"""The Textual chat, driven with Pilot: a fake engine streams scripted tokens with their origin.
+
+No test depends on how busy the machine is: a stream that must still be running when the test
+acts is held (``hold_after``) until it is cancelled or released, and every wait is for a condition,
+capped at PATIENCE seconds (reached only by a broken app)."""
 
 import io
 import json
@@ -24,6 +28,8 @@ from cactus_edge.tui.widgets import (
     fenced_parts,
 )
 
+from .conftest import TEST_THREADS
+
 SCRIPT = [("Hello", False), (" there", True), (",", True), (" friend", False), ("!", True)]
 TEXT = "Hello there, friend!"
 CODE_SCRIPT = [
@@ -36,7 +42,8 @@ CODE_SCRIPT = [
     ("```", True),
     ("\n\nDone.", False),
 ]
-HOLD_TIMEOUT = 5.0  # a held stream nobody cancels fails the test instead of hanging it
+PATIENCE = 60.0  # seconds a wait for the app may take at most: Textual and llama.cpp on a busy CPU
+HOLD_TIMEOUT = 2 * PATIENCE  # a held stream nobody cancels fails the test instead of hanging it
 
 
 class FakeEngine:
@@ -51,8 +58,8 @@ class FakeEngine:
     a reply streams; ``holding`` tells that a stream got there.
     """
 
-    def __init__(self, script=SCRIPT, delay=0.0, error=None, hold_after=None):
-        self.script, self.delay, self.error, self.hold_after = script, delay, error, hold_after
+    def __init__(self, script=SCRIPT, error=None, hold_after=None):
+        self.script, self.error, self.hold_after = script, error, hold_after
         self.calls, self.cancels = [], []
         self.holding, self.release = threading.Event(), threading.Event()
         self.closed = 0
@@ -76,7 +83,6 @@ class FakeEngine:
                 stats.finish_reason = "cancelled"
                 yield StreamEvent("", None, finish_reason="cancelled", stats=stats)
                 return
-            time.sleep(self.delay)
             if index == 0 or not self.script[index - 1][1]:  # a call starts, recorded before its tokens
                 self._call(stats, self._drafts_from(index))
             stats.n_tokens += 1
@@ -105,7 +111,7 @@ class FakeEngine:
                 raise TimeoutError("the held stream was never cancelled")
 
 
-async def wait_for(pilot, condition, timeout=10.0):
+async def wait_for(pilot, condition, timeout=PATIENCE):
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -129,7 +135,7 @@ async def enter(pilot, text):
     await pilot.press("enter")
 
 
-async def say(pilot, text, timeout=10.0):
+async def say(pilot, text, timeout=PATIENCE):
     await enter(pilot, text)
     await wait_for(pilot, lambda: not pilot.app.generating, timeout)
 
@@ -155,7 +161,7 @@ async def assert_conversation(pilot, *turns):
     app = pilot.app
     assert app.messages == [{"role": role, "content": text} for role, text in turns]
     assert [reply.text for reply in app.replies] == [text for role, text in turns if role == "assistant"]
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + PATIENCE
     while shown(app) != list(turns) and time.monotonic() < deadline:  # widgets mount and unmount
         await pilot.pause(0.02)
     assert shown(app) == list(turns)
@@ -291,8 +297,10 @@ def test_fenced_parts(text, parts):
 
 
 async def test_stop_mid_reply_keeps_text_and_the_next_turn_works():
+    # The reply streams on unpaced while Escape is on its way, but it is held at piece 100 until
+    # cancelled: however slow the app is to act, the stop lands mid-reply.
     long_script = [(f" w{i}", i % 2 == 0) for i in range(200)]
-    engine = FakeEngine(long_script, delay=0.01)
+    engine = FakeEngine(long_script, hold_after=100)
     app, _ = make_app(engine)
     async with app.run_test(size=(80, 24)) as pilot:
         await started(pilot)
@@ -301,9 +309,10 @@ async def test_stop_mid_reply_keeps_text_and_the_next_turn_works():
         await wait_for(pilot, lambda: len(app.screen.query_one(AssistantMessage).reply.pieces) >= 5)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.generating)
+        assert engine.cancels[0].is_set()
         partial = app.messages[-1]["content"]
         assert app.messages[-1]["role"] == "assistant" and 0 < len(partial.split()) < 200
-        engine.script, engine.delay = SCRIPT, 0.0
+        engine.script, engine.hold_after = SCRIPT, None
         await say(pilot, "again")
         assert engine.calls[-1][0][1] == {"role": "assistant", "content": partial}
         assert app.messages[-1]["content"] == "Hello there, friend!"
@@ -409,7 +418,7 @@ async def test_real_engine_on_the_tiny_pair(tiny_pair):
     from cactus_edge.engine import Engine
 
     def factory():
-        return Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512)
+        return Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS)
 
     app = CactusChatApp(factory, GenerationConfig(n_draft=3, max_tokens=24, seed=0))
     async with app.run_test(size=(80, 24)) as pilot:
