@@ -13,9 +13,12 @@ from cactus_edge.errors import NonFiniteLogitsError
 from cactus_edge.sampling import SamplingConfig, to_dense
 
 from .first_tokens import assert_first_drafted_steps_follow_the_target, sample_first_drafted_steps
-from .test_engine import assert_same_greedy_tokens
+from .test_engine import MIN_COMPARED, greedy_compared_length
 
 PROMPT = "the water is hot and"
+# After it both pairs' targets reply greedily for 40 tokens with no top-2 margin below 0.12: the
+# two runs must agree in full (after PROMPT the larger target's margins go down to 2e-2).
+NO_TIE_PROMPT = "number at of"
 
 
 @pytest.fixture(scope="module", params=["larger-target", "larger-draft"])
@@ -98,12 +101,14 @@ def test_every_method_and_drafter_generates_on_a_mismatched_pair(vocab_pair, met
 
 def test_greedy_speculation_equals_plain_greedy_on_a_mismatched_pair(vocab_pair, vocab_target_alone):
     greedy = {"temperature": 0.0, "max_tokens": 40}
-    plain = vocab_pair.generate(PROMPT, GenerationConfig(method="none", **greedy))
-    spec = vocab_pair.generate(PROMPT, GenerationConfig(method="sps", n_draft=4, **greedy))
+    plain = vocab_pair.generate(NO_TIE_PROMPT, GenerationConfig(method="none", **greedy))
+    spec = vocab_pair.generate(NO_TIE_PROMPT, GenerationConfig(method="sps", n_draft=4, **greedy))
     assert spec.stats.n_accepted > 0
+    assert len(plain.tokens) == 40
     # Token-for-token, up to a legitimate flip where the target's top-2 margin is tiny.
-    prompt_tokens = vocab_pair.tokenize_prompt(PROMPT)
-    assert_same_greedy_tokens(vocab_target_alone, prompt_tokens, plain.tokens, spec.tokens)
+    prompt_tokens = vocab_pair.tokenize_prompt(NO_TIE_PROMPT)
+    compared = greedy_compared_length(vocab_target_alone, prompt_tokens, plain.tokens, spec.tokens)
+    assert compared >= MIN_COMPARED
 
 
 def test_the_cli_runs_the_issues_reproduction(tiny_larger_target):
