@@ -1,4 +1,5 @@
-"""Acceptance rules: which draft tokens survive verification (SPEC, "Rules").
+"""Acceptance rules: which draft tokens survive verification (docs/methods.md, 'The rules, as
+formulas').
 
 Pure numpy: no llama.cpp here. Every rule sees, for draft position i, the draft's processed row
 ``draft_probs[i]`` (p_i), the target's processed row ``target_probs[i]`` (q_i) and the drafted token
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import is_number
 from .sampling import ProbRows, SparseProbs, row_support, sample_index, sample_token
 
 __all__ = [
@@ -204,7 +206,7 @@ class SpeculativeSampling(AcceptanceRule):
     lossless = True
 
     def modified_target(self, token: int, target: _Dist) -> _Dist:
-        """h in SPEC; for SpS it is the target row itself."""
+        """h in docs/methods.md, 'The rules, as formulas'; for SpS it is the target row itself."""
         return target
 
     def modified_target_prob(self, token: int, target: _Dist) -> float:
@@ -267,9 +269,7 @@ class Cactus(SpeculativeSampling):
     lossless = False
 
     def __init__(self, delta: float) -> None:
-        if isinstance(delta, bool) or not isinstance(delta, (int, float)):
-            raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
-        if not math.isfinite(delta) or delta < 0:
+        if not is_number(delta) or not math.isfinite(delta) or delta < 0:
             raise ValueError(f"delta must be a finite number >= 0, got {delta!r}")
         self.delta = float(delta)
         self.lossless = self.delta == 0.0
@@ -391,8 +391,8 @@ class ExactMatch(AcceptanceRule):
 
 
 class KLBudgetRule(AcceptanceRule):
-    """A lossy rule held to a KL budget for a whole response (SPEC, "A KL budget for a whole
-    response"). Position by position, the exact KL(out ‖ target) the lossy rule would add there is
+    """A lossy rule held to a KL budget for a whole response (docs/methods.md, 'A KL budget per
+    response'). Position by position, the exact KL(out ‖ target) the lossy rule would add there is
     computed first (it depends on the rows only, not on the sampled draft); the lossy rule judges
     the position while ``spent`` + that KL stays within ``budget``, and SpS (lossless) judges it and
     every later position of the response otherwise. The choice is a function of the prefix, so by
@@ -406,7 +406,7 @@ class KLBudgetRule(AcceptanceRule):
     """
 
     def __init__(self, rule: AcceptanceRule, budget: float) -> None:
-        if not isinstance(budget, (int, float)) or math.isnan(budget) or budget < 0:
+        if not is_number(budget) or math.isnan(budget) or budget < 0:
             raise ValueError(f"kl_budget must be a number >= 0, got {budget!r}")
         self.rule, self.budget = rule, float(budget)
         self.lossless_rule = SpeculativeSampling()
@@ -484,7 +484,7 @@ def make_rule(
     return rules[method]()
 
 
-# --- the exact single-position oracle (SPEC) -------------------------------------------------
+# --- the exact single-position oracle (docs/methods.md, 'The exact oracle') -------------------
 
 
 def output_distribution(
@@ -524,11 +524,11 @@ def output_distribution(
 
 # Positions are measured together while their rows are at most this wide (top-k 20 rows, lookup
 # drafts): padding every position to the widest costs less than a call per position. Wider
-# nuclei differ in width by position, and padding would multiply the work (3× at widths 60–200).
+# nuclei differ in width by position, and padding would multiply the work.
 MAX_BATCHED_KL_WIDTH = 64
 
-# The exact per-position KL is an s × m computation (draft support × union of supports): ~5 ms at
-# 256 × 512 on a laptop CPU, 0.6 s at 2,000 × 2,000. Wider positions go unmeasured.
+# The exact per-position KL is an s × m computation (draft support × union of supports): cheap at
+# this width, too slow for a step at a few thousand. Wider positions go unmeasured.
 MAX_KL_SUPPORT = 256
 
 

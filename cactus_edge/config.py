@@ -4,10 +4,12 @@ option parsing and the OpenAI-shaped layer can use it without loading a model li
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from .acceptance import AcceptanceRule, Cactus, KLBudgetRule, make_rule
+from .acceptance import AcceptanceRule, KLBudgetRule, make_rule
+from .checks import is_int, is_number
 from .errors import InvalidSettingError
 from .grammar import grammar_source, parse_json_schema
 from .penalties import Penalties
@@ -35,21 +37,58 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range is [-100, 100]
 AUTO_DRAFT_P_MIN = 0.2  # with `auto`, stop drafting once the draft's own p(d) falls below this
 
 
-# Fields that must be numbers (or None where the type allows): a boolean is refused, though
-# Python counts it as an int, since `temperature: true` in a request is a mistake, not 1.
-NUMBER_FIELDS = (
-    "delta",
-    "draft_p_min",
-    "temperature",
-    "top_p",
-    "min_p",
-    "kl_budget",
-    "posterior_threshold",
-    "posterior_alpha",
-    "presence_penalty",
-    "frequency_penalty",
-    "repeat_penalty",
-)
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric setting's type and range, and the words an error states them in."""
+
+    says: str  # the allowed values, as in "top_p must be in (0, 1] (1 = disabled), got 1.5"
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+    finite: bool = False
+    optional: bool = False  # None allowed
+
+    def allows(self, value) -> bool:
+        if value is None:
+            return self.optional
+        if not (is_int(value) if self.integer else is_number(value)):
+            return False
+        if self.finite and not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def problem(self, name: str, value) -> str:
+        if value is not None and not self.integer and not is_number(value):
+            return f"{name} must be a number, got {value!r}"  # a boolean or a string, say
+        return f"{name} must be {self.says}, got {value!r}"
+
+
+# Every numeric field of GenerationConfig, checked in this order; n_draft also takes "auto".
+BOUNDS = {
+    "delta": Bounds("a finite number >= 0", low=0.0, finite=True),
+    "draft_p_min": Bounds("in [0, 1)", low=0.0, high=1.0, high_open=True, optional=True),
+    "temperature": Bounds("a finite number >= 0 (0 = greedy)", low=0.0, finite=True),
+    "top_k": Bounds("an integer >= 0 (0 = disabled)", low=0, integer=True),
+    "top_p": Bounds("in (0, 1] (1 = disabled)", low=0.0, high=1.0, low_open=True),
+    "min_p": Bounds("in [0, 1) (0 = disabled)", low=0.0, high=1.0, high_open=True),
+    "max_tokens": Bounds("an integer >= 1", low=1, integer=True),
+    "seed": Bounds("an integer >= 0 or None", low=0, integer=True, optional=True),
+    "kl_budget": Bounds("a number >= 0 or None", low=0.0, optional=True),
+    "posterior_threshold": Bounds("in [0, 1]", low=0.0, high=1.0),
+    "posterior_alpha": Bounds("in [0, 1]", low=0.0, high=1.0),
+    "presence_penalty": Bounds("in [-2, 2]", low=-2.0, high=2.0),
+    "frequency_penalty": Bounds("in [-2, 2]", low=-2.0, high=2.0),
+    "repeat_penalty": Bounds("in (0, 10] (1 = off)", low=0.0, high=10.0, low_open=True),
+    "repeat_last_n": Bounds("an integer >= -1 (-1 = the whole context)", low=-1, integer=True),
+    "top_logprobs": Bounds(
+        f"an integer in [0, {MAX_TOP_LOGPROBS}]", low=0, high=MAX_TOP_LOGPROBS, integer=True
+    ),
+    "n_draft": Bounds(f"'auto' or an integer in [0, {MAX_DRAFT}]", low=0, high=MAX_DRAFT, integer=True),
+}
 
 
 def needs_draft_model(method: str, drafter: str) -> bool:
@@ -109,12 +148,7 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        try:
-            self._validate()
-        except InvalidSettingError:
-            raise
-        except (ValueError, TypeError) as error:  # from the numpy-only validators
-            raise InvalidSettingError(str(error), param=_field_named_by(error)) from error
+        self._validate()
 
     def _normalize_constraints(self) -> None:
         """Schemas to compact JSON text and bias to sorted pairs, so equal configs compare equal."""
@@ -128,75 +162,24 @@ class GenerationConfig:
     def _validate(self) -> None:
         # Every error names its field in ``param``: the OpenAI layer renames it to the request's
         # field instead of checking each setting again itself.
-        for name in NUMBER_FIELDS:
+        for name, choices in (("method", METHODS), ("drafter", DRAFTERS)):
+            if getattr(self, name) not in choices:
+                raise InvalidSettingError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}", param=name
+                )
+        for name, bounds in BOUNDS.items():
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise InvalidSettingError(f"{name} must be a number, got {value!r}", param=name)
-        if self.method not in METHODS:
-            raise InvalidSettingError(
-                f"method must be one of {', '.join(METHODS)}, got {self.method!r}", param="method"
-            )
-        if self.n_draft != "auto" and not _is_int_in(self.n_draft, 0, MAX_DRAFT):
-            raise InvalidSettingError(
-                f"n_draft must be 'auto' or an integer in [0, {MAX_DRAFT}], got {self.n_draft!r}",
-                param="n_draft",
-            )
-        if self.drafter not in DRAFTERS:
-            raise InvalidSettingError(
-                f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}", param="drafter"
-            )
-        if self.draft_p_min is not None and not 0.0 <= self.draft_p_min < 1.0:
-            raise InvalidSettingError(
-                f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}", param="draft_p_min"
-            )
-        if not _is_int_in(self.max_tokens, 1):
-            raise InvalidSettingError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
-            )
-        if self.seed is not None and not _is_int_in(self.seed, 0):
-            raise InvalidSettingError(
-                f"seed must be an integer >= 0 or None, got {self.seed!r}", param="seed"
-            )
-        if self.kl_budget is not None and not self.kl_budget >= 0:
-            raise InvalidSettingError(
-                f"kl_budget must be a number >= 0 or None, got {self.kl_budget!r}", param="kl_budget"
-            )
+            if not (name == "n_draft" and value == "auto") and not bounds.allows(value):
+                raise InvalidSettingError(bounds.problem(name, value), param=name)
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidSettingError(
                 f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}", param="stop"
             )
         self._validate_constraints()
-        # Building these validates temperature … min_p and delta (whatever the method, so a bad
-        # delta is caught before someone switches to cactus).
-        _ = self.sampling, self.rule, Cactus(self.delta)
-        _ = make_rule(
-            "tas", posterior_threshold=self.posterior_threshold, posterior_alpha=self.posterior_alpha
-        )
 
     def _validate_constraints(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise InvalidSettingError(
-                    f"{name} must be in [-2, 2], got {getattr(self, name)!r}", param=name
-                )
-        if not 0.0 < self.repeat_penalty <= 10.0:
-            raise InvalidSettingError(
-                f"repeat_penalty must be in (0, 10] (1 = off), got {self.repeat_penalty!r}",
-                param="repeat_penalty",
-            )
-        if not _is_int_in(self.repeat_last_n, -1):
-            raise InvalidSettingError(
-                "repeat_last_n must be an integer >= -1 (-1 = the whole context), "
-                f"got {self.repeat_last_n!r}",
-                param="repeat_last_n",
-            )
         if not isinstance(self.logprobs, bool):
             raise InvalidSettingError(f"logprobs must be a boolean, got {self.logprobs!r}", param="logprobs")
-        if not _is_int_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS):
-            raise InvalidSettingError(
-                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}",
-                param="top_logprobs",
-            )
         _check_bias_pairs(self.logit_bias)
         if self.grammar_trigger is not None and (
             not isinstance(self.grammar_trigger, str) or not self.grammar_trigger
@@ -262,14 +245,6 @@ class GenerationConfig:
         return needs_draft_model(self.method, self.drafter)
 
 
-def _is_int_in(value, low: int, high: int | None = None) -> bool:
-    """Whether ``value`` is an integer (a boolean is not, though Python counts it as one) in
-    [low, high] (no upper bound: high None)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return False
-    return low <= value and (high is None or value <= high)
-
-
 def _bias_pairs(bias: Mapping) -> list[tuple[int, float]]:
     """{token id: bias} with ids given as ints or as decimal strings (JSON object keys)."""
     pairs = []
@@ -291,22 +266,11 @@ def _check_bias_pairs(pairs) -> None:
         )
     for pair in pairs:
         token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
-        if not _is_int_in(token, 0):
+        if not is_int(token) or token < 0:
             raise InvalidSettingError(
                 f"logit_bias keys must be token ids >= 0, got {token!r}", param="logit_bias"
             )
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
-        ):
+        if not is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise InvalidSettingError(
                 f"logit_bias[{token}] must be a number in [-100, 100], got {value!r}", param="logit_bias"
             )
-
-
-def _field_named_by(error: Exception) -> str | None:
-    """The GenerationConfig field a numpy-only validator's message names: they start with it
-    ("temperature must be …", "delta must be …"); None if it names none."""
-    first = str(error).split(" ", 1)[0]
-    return first if first in GenerationConfig.field_names() else None

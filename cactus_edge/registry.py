@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
+from .checks import is_int
 from .errors import (
     InvalidSettingError,
     LocalRegistryError,
@@ -218,8 +219,7 @@ def _parse_source(name: str, raw: dict | None) -> Source | None:
 
 
 def _parse_size(name: str, raw: object) -> int | None:
-    # bool is an int subclass: `size = true` is a typo, not one byte.
-    if raw is None or (isinstance(raw, int) and not isinstance(raw, bool) and raw > 0):
+    if raw is None or (is_int(raw) and raw > 0):
         return raw
     raise ValueError(f"model {name!r}: size must be a positive number of bytes, got {raw!r}")
 
@@ -247,7 +247,7 @@ def _parse_pin(name: str, entry: dict) -> HubPin:
         raise ValueError(f"pin of {name!r}: commit must be 40 lowercase hex digits, got {entry['commit']!r}")
     size, sha256 = _parse_size(name, entry["size"]), _parse_sha256(name, entry["sha256"])
     checked = entry.get("checked_mtime_ns")
-    if checked is not None and (not isinstance(checked, int) or isinstance(checked, bool)):
+    if checked is not None and not is_int(checked):
         raise ValueError(f"pin of {name!r}: checked_mtime_ns must be an integer, got {checked!r}")
     return HubPin(
         entry["repo"],

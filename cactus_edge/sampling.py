@@ -1,7 +1,8 @@
 """Logit processing shared by the draft and the target: temperature → top-k → top-p → min-p → softmax.
 
-The same function and the same settings must be applied to both models (SPEC, "processed"), so this
-module is the only place that turns logits into probabilities. It imports numpy only.
+The same function and the same settings must be applied to both models (the rules compare p and q
+row by row: docs/methods.md, 'The acceptance rules'), so this module is the only place that turns
+logits into probabilities. It imports numpy only.
 
 Two representations of processed rows leave this module:
 - a :class:`SparseProbs` holding only the surviving entries, when top-k is on, temperature is 0,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import is_int, is_number
 from .errors import NonFiniteLogitsError
 
 __all__ = [
@@ -58,13 +60,13 @@ class SamplingConfig:
 
 def validate_sampling(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
     """Raise ``ValueError`` naming the first invalid parameter and its allowed range."""
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = disabled), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not (0.0 < top_p <= 1.0):
+    if not is_number(top_p) or not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] (1 = disabled), got {top_p!r}")
-    if not isinstance(min_p, (int, float)) or not (0.0 <= min_p < 1.0):
+    if not is_number(min_p) or not (0.0 <= min_p < 1.0):
         raise ValueError(f"min_p must be in [0, 1) (0 = disabled), got {min_p!r}")
 
 
@@ -115,9 +117,10 @@ def to_dense(rows: ProbRows) -> np.ndarray:
 def fit_logits_to_vocab(logits: np.ndarray, vocab_size: int) -> np.ndarray:
     """The draft's logits restricted to the target's first ``vocab_size`` ids (a view, no copy).
 
-    Pairs may differ by a few tokens at the end of the vocabulary (SPEC): ids the target lacks are
-    dropped before processing, so the draft never proposes them and its distribution is
-    renormalised over the ids both models share. logits: (..., V_draft) → (..., min(V_draft, V)).
+    Pairs may differ by a few tokens at the end of the vocabulary (llama.cpp accepts such pairs when
+    the shared ids have the same texts): ids the target lacks are dropped before processing, so the
+    draft never proposes them and its distribution is renormalised over the ids both models share.
+    logits: (..., V_draft) → (..., min(V_draft, V)).
     """
     return logits[..., :vocab_size] if logits.shape[-1] > vocab_size else logits
 

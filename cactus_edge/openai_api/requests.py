@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import is_int
 from ..config import MAX_LOGIT_BIAS, GenerationConfig
 from ..errors import InvalidSettingError, UnsupportedParameterError
 from ..tools import ToolSetup, parse_tools
@@ -106,10 +107,6 @@ IGNORED = frozenset(
 # --- fields accepted at their neutral value only -----------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number
-
-
 def _is_str_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
 
@@ -129,9 +126,9 @@ class _Neutral:
 
 
 NEUTRAL_ONLY: dict[str, _Neutral] = {
-    "n": _Neutral(lambda v: _is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
-    "best_of": _Neutral(lambda v: _is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
-    "mirostat_mode": _Neutral(_is_int, "an integer", lambda v: v == 0, "0"),
+    "n": _Neutral(lambda v: is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
+    "best_of": _Neutral(lambda v: is_int(v) and v >= 1, "an integer >= 1", lambda v: v == 1, "1"),
+    "mirostat_mode": _Neutral(is_int, "an integer", lambda v: v == 0, "0"),
     "echo": _Neutral(lambda v: isinstance(v, bool), "a boolean", lambda v: v is False, "false"),
     "suffix": _Neutral(lambda v: isinstance(v, str), "a string", _is_empty, '""'),
     # OpenAI's deprecated function calling: use tools.
@@ -261,7 +258,7 @@ def _logprobs_changes(present: dict[str, Any]) -> dict[str, Any]:
         return {}
     if value is True:
         return {"logprobs": True}
-    if _is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS:
+    if is_int(value) and 0 <= value <= MAX_COMPLETION_LOGPROBS:
         return {"logprobs": True, "top_logprobs": value}
     raise InvalidSettingError(
         f"logprobs must be a boolean (chat) or an integer in [0, {MAX_COMPLETION_LOGPROBS}] "
@@ -327,7 +324,7 @@ def _configured(base: GenerationConfig, changes: dict[str, Any], names: dict[str
 def _sampling_changes(present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """(GenerationConfig changes, the request's name of a changed field where it differs)."""
     changes = {name: present[name] for name in SAMPLING_FIELDS if name in present}
-    if _is_int(changes.get("seed")):
+    if is_int(changes.get("seed")):
         # OpenAI seeds are any 64-bit integer; numpy's generator takes only non-negative ones.
         # Folding keeps "same seed, same output" without refusing valid requests.
         changes["seed"] %= 2**64
@@ -428,7 +425,7 @@ def completion_prompt(prompt: Any) -> str | list[int]:
         if not prompt:
             raise InvalidSettingError("the prompt is empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise UnsupportedParameterError(
