@@ -50,8 +50,8 @@ def choose_draft_length(
     verify_ms: callable n → milliseconds to verify a batch of n tokens.
     """
     best_k, best_rate = 0, (1.0 + margin) / verify_ms(1)
-    # E[tokens | k] for every k at once, as Python floats: this runs on every plain step, and
-    # per-k numpy calls made planning 1% of a step on a CPU.
+    # E[tokens | k] for every k at once, as Python floats: this runs on every plain step, where
+    # per-k numpy calls would cost more than the arithmetic.
     expected = [1.0, *(1.0 + np.cumsum(np.cumprod(acceptance[:max_draft]))).tolist()]
     for k in range(1, max_draft + 1):
         rate = expected[min(k, len(expected) - 1)] / (draft_ms(k) + verify_ms(k + 1))
@@ -80,8 +80,8 @@ class BatchCosts:
     """Running average of one model's llama_decode milliseconds per batch size.
 
     On a CPU a batch of n tokens costs a fixed part (reading the weights once) plus a per-token
-    part, and some sizes hit faster kernels than their neighbours (4 < 3 here), so measured sizes
-    are used as measured and only unmeasured sizes come from a fitted line."""
+    part, and some sizes hit faster kernels than their neighbours (4 may cost less than 3), so
+    measured sizes are used as measured and only unmeasured sizes come from a fitted line."""
 
     by_size: dict[int, float] = field(default_factory=dict)
     _line: tuple[float, float] | None = field(default=None, repr=False)  # fit cache, reset on record
@@ -203,8 +203,8 @@ class AcceptanceTracker:
         """A plain step that had a lookup guess: did the target's token follow it? Free evidence
         about the first position of guided drafting (a draft fed the guess mostly follows it too,
         so it is accepted about when the target follows), and the only evidence while k is 0.
-        Later positions learn from real drafts only: applied to all of them, this evidence made
-        `auto` draft 12 tokens where 3–6 were accepted."""
+        Later positions learn from real drafts only: applied to all of them, this evidence overstates
+        how far drafts follow, and `auto` drafts far more tokens than are accepted."""
         self.rates[0] = _blend(self.rates[0], 1.0 if followed else 0.0)
 
     def record(self, acceptance_probs: tuple[float, ...]) -> None:

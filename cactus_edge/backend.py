@@ -91,10 +91,9 @@ class _ComputeThread:
 
     llama.cpp's CPU backend, built with OpenMP (as llama-cpp-python builds it on Linux), keeps a
     team of worker threads per calling thread. Once two threads have decoded (the main thread's
-    warm-up, then a server's engine thread or a TUI worker), every later decode runs at about half
-    speed on 2 cores (`cactus-edge serve` decoded 12–17 tok/s where `generate` did 26–28). Routing
-    every decode through one thread keeps one team, whichever thread generates; the hand-off costs
-    ~23 µs a decode.
+    warm-up, then a server's engine thread or a TUI worker), the teams compete for the cores and
+    every later decode runs at about half speed on 2 cores. Routing every decode through one thread
+    keeps one team, whichever thread generates; the hand-off is negligible next to a decode.
     """
 
     def __init__(self) -> None:

@@ -122,9 +122,10 @@ class GenerationConfig:
     # Typical acceptance (method "tas"): accept d iff q(d) > min(threshold, alpha · exp(−H(q))).
     posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD
     posterior_alpha: float = DEFAULT_POSTERIOR_ALPHA
-    # Constraints (SPEC, "Constraints"): at most one of json_schema (a dict or JSON text; kept as
-    # compact JSON text), grammar (Lark, in llguidance's syntax) and regex. grammar_trigger: the
-    # constraint starts once the reply has produced this text (a tool call's opening marker).
+    # Constraints (docs/methods.md, 'Constraints: the order of operations on a row'): at most one
+    # of json_schema (a dict or JSON text; kept as compact JSON text), grammar (Lark, in
+    # llguidance's syntax) and regex. grammar_trigger: the constraint starts once the reply has
+    # produced this text (a tool call's opening marker).
     json_schema: str | None = None
     grammar: str | None = None
     regex: str | None = None

@@ -1,5 +1,6 @@
 """One reply's constraints along its context: the grammar's state, penalty counts and logit bias,
-applied to a row's raw logits before processing (SPEC, "Constraints"). No llama.cpp here.
+applied to a row's raw logits before processing, in the order docs/methods.md gives in
+'Constraints: the order of operations on a row'. No llama.cpp here.
 
 The row that predicts context index ``position`` must be changed the same way for the draft and
 the target, from the same context: prompt + committed + the draft prefix d_<i. So the shaper
@@ -182,7 +183,8 @@ class LogitShaper:
 
     def sole_token(self, position: int) -> int | None:
         """The one token the grammar allows at ``position`` (≤ the current one), or None: a row
-        predicting it is a point mass there whatever its logits (SPEC, "Forced tokens")."""
+        predicting it is a point mass there whatever its logits (docs/methods.md, 'Constraints: the
+        order of operations on a row')."""
         mask = self.mask_at(position)
         return None if mask is None else mask.sole_id()
 

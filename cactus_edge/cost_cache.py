@@ -1,11 +1,11 @@
 """`auto`'s measured batch costs, kept between processes.
 
-Calibration times every verify size 1–9 (and the draft's 1–5) once per engine: about 1.2 s on a
-2-core CPU, paid by the first reply of every one-shot `generate` and every new chat. The result
-depends on the machine, the model file, the thread count and llama.cpp, so it is stored per
-those, as one small JSON file in the user cache folder, and reused for up to MAX_AGE_DAYS. It is
-only a starting point: real steps keep refining every size in memory. ``$CACTUS_EDGE_COST_CACHE``
-names another folder, or ``off`` to measure every time. No llama.cpp here.
+Calibration times every verify size 1–9 (and the draft's 1–5) once per engine, a cost paid by the
+first reply of every one-shot `generate` and every new chat. The result depends on the machine,
+the model file, the thread count and llama.cpp, so it is stored per those, as one small JSON file
+in the user cache folder, and reused for up to MAX_AGE_DAYS. It is only a starting point: real
+steps keep refining every size in memory. ``$CACTUS_EDGE_COST_CACHE`` names another folder, or
+``off`` to measure every time. No llama.cpp here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ COST_CACHE_ENV = "CACTUS_EDGE_COST_CACHE"
 MAX_AGE_DAYS = 30
 MAX_KEPT_CONTEXT = 512  # tokens before a measurement that may be kept
 # A kept table is used while a fresh one-token decode costs within this factor of its entry:
-# timings drift by ±20% on a shared 2-core machine, a table taken under load is off by far more.
+# ordinary drift on a shared machine stays inside it, a table taken under load does not.
 MAX_DRIFT = 1.5
 FORMAT = 1
 

@@ -285,15 +285,14 @@ class ModelDrafter:
         of tokens the grammar forced).
 
         Where the grammar forces the tokens after a draft, they are proposed as point masses
-        without a decode (SPEC: a forced token needs no draft model) and fed to the draft with
-        its next decode.
+        without a decode (every rule accepts a forced token: docs/methods.md, 'Constraints: the
+        order of operations on a row') and fed to the draft with its next decode.
 
         Drafting is autoregressive, one decode per token, except along a lookup ``guess``: one
         batch decode of [unseen committed tokens] + guess yields the draft's row after each
         guessed token, and row i+1 is the draft's true conditional for as long as the sampled
         tokens equal the guess. So the drafts have exactly the distribution of token-by-token
-        drafting, at the cost of one batch (on a CPU, 4 rows of the 0.5B draft cost about 2
-        single decodes).
+        drafting, at the cost of one batch (on a CPU, far less than a decode per row).
         """
         tokens: list[int] = []
         rows: list = []
@@ -448,9 +447,9 @@ class DraftSourceChooser:
         return proposal
 
     def follow(self, found: list[int]) -> list[int]:
-        """A lookup continuation cut before its first token the grammar refuses (SPEC), with the
-        shaper advanced over what is kept: a proposal of it then needs no second walk, and
-        :meth:`unfollow` takes back what is not proposed."""
+        """A lookup continuation cut before its first token the grammar refuses (the target would
+        reject it with certainty), with the shaper advanced over what is kept: a proposal of it
+        then needs no second walk, and :meth:`unfollow` takes back what is not proposed."""
         if self.shaper is None:
             return found
         n_ok = 0

@@ -43,10 +43,10 @@ PARSER_LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_grammar
 MAX_CACHED_SOURCES = 256
 # How constrained JSON is laid out: Python's json.dumps separators and no other whitespace, the
 # layout models write most (and our tool calls use). With no whitespace to choose, keys and
-# separators are forced tokens (free drafts), a reply takes fewer tokens (20% fewer than with a
-# space or an indented newline allowed between tokens, on the structured bench), and a small model
-# cannot loop on blank lines. Compact "," / ":" is fewer tokens still, but the default model wrote
-# worse values under it (docs/performance.md, "JSON layout").
+# separators are forced tokens (free drafts), a reply takes fewer tokens than with a space or an
+# indented newline allowed between tokens, and a small model cannot loop on blank lines. Compact
+# "," / ":" is fewer tokens still, but the default model wrote worse values under it
+# (docs/performance.md, "JSON layout").
 JSON_LAYOUT = MappingProxyType({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
 # A schema whose own top-level "x-guidance" sets either of these chooses its whitespace itself.
 _WHITESPACE_KEYS = frozenset({"whitespace_flexible", "whitespace_pattern"})
@@ -153,9 +153,9 @@ class CompiledGrammars:
         self._lock = threading.Lock()
 
     def prepare(self) -> None:
-        """Build the tokenizer index now (once). llguidance holds the GIL while it builds it (0.76
-        s of its 1.8 s on a 152k vocabulary, measured), which would stall a server's event loop
-        under the first structured request; compiling a grammar releases it."""
+        """Build the tokenizer index now (once). llguidance holds the GIL for much of that build,
+        which would stall a server's event loop under the first structured request; compiling a
+        grammar releases it."""
         with self._lock:
             self._built_tokenizer()
 
@@ -236,7 +236,7 @@ class GrammarMatcher:
 
 
 # Row i holds the additive mask of the 8 ids a byte i packs (bit j = id 8k + j): one gather turns
-# a packed mask into 0 / -inf, four times faster than unpacking and taking a log.
+# a packed mask into 0 / -inf, faster than unpacking and taking a log.
 _BYTE_MASKS = np.where(
     (np.arange(256)[:, None] >> np.arange(8)) & 1, np.float32(0), np.float32(-np.inf)
 ).astype(np.float32)

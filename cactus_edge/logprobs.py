@@ -1,7 +1,7 @@
 """Log-probabilities of emitted tokens, as OpenAI's ``logprobs`` reports them. Pure numpy.
 
 They are the log-softmax of the **target's raw logits** at each emitted position: before logit
-bias, penalties, temperature, truncation and the grammar (llama-server's default, and SPEC's). So
+bias, penalties, temperature, truncation and the grammar (llama-server's default). So
 a token has the same log-probability whether the draft proposed it or the target sampled it, and
 a plain and a speculative run that emit the same tokens report the same values.
 """

@@ -1,4 +1,5 @@
-"""Penalties and logit bias on raw logits (SPEC, "Constraints"). Pure numpy, no llama.cpp.
+"""Penalties and logit bias on raw logits (docs/methods.md, 'Constraints: the order of operations on
+a row'). Pure numpy, no llama.cpp.
 
 Both change a row before processing (temperature, top-k, …), the same way for the draft's row and
 the target's row at one position: bias first, then llama.cpp's repeat penalty over the last N

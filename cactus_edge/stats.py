@@ -74,7 +74,7 @@ class GenerationStats:
     lossy: whether the rule can move the output away from the target's distribution (Cactus with
         delta > 0, typical acceptance); KL figures are only meaningful then.
     kl_total: sum over decided draft positions of the exact KL(out ‖ target): by the chain rule
-        its expectation is the response-level KL (SPEC, "A KL budget for a whole response").
+        its expectation is the response-level KL (docs/methods.md, 'A KL budget per response').
     kl_budget: the response's KL budget (None: unlimited); kl_total never exceeds it.
     """
 

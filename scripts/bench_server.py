@@ -12,8 +12,8 @@ aggregate tokens/s (all tokens / wall time), and ours / theirs: the aggregate ra
 per-request ratio of end-to-end tokens/s (the same request, turn and seed on both). Categories run
 one after the other, each server in turn (ours, theirs) so drift hits both alike; a server idles
 while the other runs (two llama.cpp processes computing at once on 2 cores slow each other far more
-than 2x: see SPEC, "Hardware facts"). With --direct it also times the requests on an in-process
-Engine (one client), which bounds our server's own overhead.
+than 2x). With --direct it also times the requests on an in-process Engine (one client), which
+bounds our server's own overhead.
 
 Needs llama-cpp-python's server extra (pip install 'llama-cpp-python[server]'). Timing run: run it
 on an otherwise idle machine and name the CPU with the numbers, e.g.

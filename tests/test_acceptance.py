@@ -1,4 +1,5 @@
-"""Acceptance rules against SPEC's exact single-position oracle, with seeded statistical tests.
+"""Acceptance rules against the exact single-position oracle (docs/methods.md, 'The exact
+oracle'), with seeded statistical tests.
 
 Every statistical test uses a chi-square goodness-of-fit test at significance 0.001 and shows, in
 the same test, that a deliberately broken rule is rejected by it.

@@ -41,7 +41,7 @@ def test_chosen_k_is_the_argmax_of_expected_tokens_per_ms():
 
 
 def test_when_every_draft_loses_k_is_zero():
-    # Compute-bound CPU: verifying n tokens costs n times one (SPEC's 2-core machine), draft not free.
+    # Compute-bound CPU: verifying n tokens costs n times one (as on a 2-core CPU), draft not free.
     assert choose_draft_length(np.full(8, 0.6), lambda k: 37.0 * k, lambda n: 80.0 * n, 8) == 0
 
 

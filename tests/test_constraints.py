@@ -1,4 +1,5 @@
-"""Constraints under speculation (SPEC, "Constraints"): grammars, penalties, logit bias, logprobs.
+"""Constraints under speculation: grammars, penalties, logit bias, logprobs (docs/methods.md,
+'Constraints: the order of operations on a row').
 
 Every check compares the engine with an independent reference: llguidance's own matcher fed the
 context token by token for the mask, a loop over the context for llama.cpp's penalties, a
@@ -53,7 +54,7 @@ def reference_mask(engine, config, reply_tokens) -> np.ndarray:
 
 
 def reference_penalties(logits, context, n_prompt, penalties: Penalties) -> np.ndarray:
-    """llama.cpp's llama_sampler_penalties_apply, written out token by token (SPEC)."""
+    """llama.cpp's llama_sampler_penalties_apply, written out token by token."""
     out = np.array(logits, dtype=np.float64)
     window = context[-penalties.repeat_last_n :] if penalties.repeat_last_n > 0 else []
     for token in set(window):

@@ -30,7 +30,7 @@ def test_every_rule_is_judged_on_the_same_reference_positions(frontier, tiny_pai
         again = frontier.run(engine, prompts, rules, 10, tmp_path)  # references come from the cache
         # Position 3 of reply 0, computed on its own: the rows predicting reply token 3. Decoded
         # here in another batch shape than the whole reply, so llama.cpp's rounding differs in
-        # the 6th digit (SPEC): a tolerance of 1e-4 holds on every CPU, and position 3 must be
+        # the 6th digit: a tolerance of 1e-4 holds on every CPU, and position 3 must be
         # the only one that close (a shifted position would match a neighbour instead).
         reference = frontier.reference_replies(engine, prompts, 10, tmp_path / "references.jsonl")[0]
         context = reference["prompt_tokens"] + reference["reply_tokens"][:3]

@@ -41,9 +41,9 @@ IDLE, HEADERS, BODY, BUSY = "idle", "headers", "body", "busy"
 # tick. Small: a flood then waits in the kernel, not in our descriptors.
 LISTEN_BACKLOG = 32
 # Descriptors the cap leaves free. A socket counts from its protocol's connection_made, two ticks
-# after asyncio accepted it in a batch, and a closed one frees its descriptor a tick later: in a
-# flood the process held up to 2.8 batches over the cap (measured, backlog 64). Four are kept,
-# plus the process's own (models, logs, the event loop, stdio).
+# after asyncio accepted it in a batch, and a closed one frees its descriptor a tick later, so in
+# a flood the process holds a few batches over the cap. Four are kept, plus the process's own
+# (models, logs, the event loop, stdio).
 FD_RESERVE = 4 * LISTEN_BACKLOG + 64
 ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message
 INVALID_HTTP_LOG = "Invalid HTTP request received."  # uvicorn's
@@ -238,8 +238,8 @@ def protocol_class(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
 class RepeatLimit(logging.Filter):
     """Lets a message starting with ``prefix`` through at most once per ``interval`` seconds, with
     the count of those dropped since; other messages pass. Out of descriptors, asyncio logs its
-    accept error for every socket of a backlog, every loop tick: 141,133 times (59 MB of stderr)
-    in 15 s once; uvicorn logs every malformed request."""
+    accept error for every socket of a backlog, every loop tick, which floods stderr; uvicorn logs
+    every malformed request."""
 
     def __init__(self, prefix: str, interval: float = 10.0, clock=time.monotonic) -> None:
         super().__init__()

@@ -23,7 +23,7 @@ logger = logging.getLogger("cactus_edge.server")
 
 QUOTE_LIMIT = 200  # characters of a client's value an error message shows
 # Every message is clipped too: the library's own messages (openai_api) quote values in full,
-# and a 200,000-key logit_bias once made a 2.49 MB error body.
+# so a huge logit_bias would otherwise make a megabytes-long error body.
 MESSAGE_LIMIT = 400  # our own longest, the Host refusal with a quoted value, is ~320
 
 
