@@ -27,6 +27,7 @@ import llama_cpp
 import numpy as np
 
 from .config import DEFAULT_N_CTX
+from .dependencies import incompatible
 from .errors import (
     BackendError,
     ContextLengthError,
@@ -652,8 +653,12 @@ class DevicePlacement:
 
 
 def ggml_library():
-    """libggml as llama-cpp-python loaded it (for ggml's backend registry: backend_rpc)."""
-    from llama_cpp._ggml import libggml
+    """libggml as llama-cpp-python loaded it (for ggml's backend registry: backend_rpc), from
+    llama-cpp-python's internal ``llama_cpp._ggml`` (checked: IncompatibleDependencyError)."""
+    try:
+        from llama_cpp._ggml import libggml
+    except ImportError as error:
+        raise incompatible("llama-cpp-python", "has no llama_cpp._ggml.libggml", "--rpc") from error
 
     ensure_backend()
     return libggml

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .dependencies import incompatible
 from .errors import InvalidSettingError, RPCUnavailableError, WorkerLostError
 
 # The protocol the ggml vendored by llama-cpp-python 0.3.36 speaks (ggml-rpc.h); a worker must
@@ -142,10 +143,17 @@ def _ggml():
             ("ggml_backend_dev_name", [pointer], ctypes.c_char_p),
             ("ggml_backend_dev_by_type", [ctypes.c_int], pointer),
         ):
-            function = getattr(libggml, name)
+            function = _symbol(libggml, name)
             function.argtypes, function.restype = argtypes, restype
         _bound = libggml
     return _bound
+
+
+def _symbol(libggml, name: str):
+    try:
+        return getattr(libggml, name)
+    except AttributeError as error:
+        raise incompatible("llama-cpp-python", f"loads a libggml without {name}", "--rpc") from error
 
 
 def rpc_registry() -> int:

@@ -34,6 +34,13 @@ class MissingDependencyError(CactusEdgeError):
     exit_code = 2
 
 
+class IncompatibleDependencyError(CactusEdgeError):
+    """An installed dependency lacks an internal name cactus-edge relies on (a version outside the
+    tested range); the message names the package, what is missing and the tested version."""
+
+    exit_code = 2
+
+
 class ModelNotFoundError(CactusEdgeError):
     """A model path that does not exist."""
 

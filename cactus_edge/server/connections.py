@@ -27,8 +27,25 @@ from collections import Counter
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..dependencies import require_names
 from .errors import error_body
 from .settings import RETRY_AFTER_SECONDS, ServerSettings
+
+# uvicorn has no public per-phase deadlines or connection cap: GuardedH11Protocol overrides these.
+require_names(
+    H11Protocol,
+    (
+        "connection_made",
+        "connection_lost",
+        "data_received",
+        "on_response_complete",
+        "shutdown",
+        "send_400_response",
+        "_unset_keepalive_if_required",
+    ),
+    "uvicorn",
+    "the server's connection guard",
+)
 
 try:
     import resource
