@@ -319,12 +319,21 @@ def model_options(command):
         click.option("--draft", default=None, help="Draft GGUF path or registered name."),
         click.option("--target", default=None, help="Target GGUF path or registered name."),
         click.option(
-            "--n-ctx", type=int, default=defaults.DEFAULT_N_CTX, show_default=True, help="Context length."
+            "--n-ctx",
+            type=click.IntRange(min=0),
+            default=defaults.DEFAULT_N_CTX,
+            show_default=True,
+            help="Context length of each model (0: the model's trained length).",
         ),
-        click.option("--threads", type=int, default=None, help="CPU threads (default: physical cores)."),
+        click.option(
+            "--threads",
+            type=click.IntRange(min=1),
+            default=None,
+            help="CPU threads (default: physical cores).",
+        ),
         click.option(
             "--n-gpu-layers",
-            type=int,
+            type=click.IntRange(min=-1),
             default=0,
             show_default=True,
             help="Layers to offload to Metal/CUDA (-1 = all).",
@@ -404,7 +413,11 @@ def sampling_flags(command):
                 "--temperature", type=float, default=defaults.DEFAULT_TEMPERATURE, show_default=True
             ),
             click.option(
-                "--top-k", type=int, default=defaults.DEFAULT_TOP_K, show_default=True, help="0 disables."
+                "--top-k",
+                type=click.IntRange(min=0),
+                default=defaults.DEFAULT_TOP_K,
+                show_default=True,
+                help="0 disables.",
             ),
             click.option(
                 "--top-p", type=float, default=defaults.DEFAULT_TOP_P, show_default=True, help="1 disables."
@@ -478,7 +491,14 @@ def speculative_flags(command):
                 show_default=True,
                 help="Typical acceptance's alpha (see --posterior-threshold).",
             ),
-            click.option("--seed", type=int, default=None, help="Random seed (same seed, same text)."),
+            click.option(
+                "--seed",
+                type=click.IntRange(min=0),
+                default=None,
+                help="Random seed. The same seed and settings give the same text from a fresh start with "
+                "a fixed --n-draft; under auto (block lengths from measured timings) or with reused caches "
+                "the text may differ.",
+            ),
             click.option("--system", default=None, help="System message (chat mode)."),
         ],
     )
@@ -557,7 +577,7 @@ def _one_constraint(flags: dict) -> None:
 @click.argument("prompt")
 @model_options
 @sampling_options
-@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); never printed.")
 @click.option(
     "--json-schema",
@@ -594,6 +614,8 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
     """Generate a reply to PROMPT ('-' reads stdin) with speculative decoding."""
     import json
 
+    if compare and (as_json or profile):
+        raise click.UsageError("--compare prints its own two summaries: it takes neither --json nor --profile")
     if prompt == "-":
         prompt = sys.stdin.read()
     _one_constraint(flags)
@@ -658,7 +680,9 @@ def engine_description(engine) -> str:
 @main.command()
 @model_options
 @sampling_options
-@click.option("--max-tokens", type=int, default=1024, show_default=True, help="Longest reply.")
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Longest reply."
+)
 @handle_errors
 def chat(model, system, **flags) -> None:
     """Chat in the terminal, with the acceptance view and live statistics."""
@@ -755,11 +779,14 @@ def _draft_length(item: str):
     help="JSONL (prompt, category) or text file, one prompt per line (default: bundled set).",
 )
 @click.option("--category", multiple=True, help="Only prompts of this category (repeatable).")
-@click.option("--limit", type=int, default=None, help="Run only the first N prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Run only the first N prompts.")
 @click.option(
-    "--per-category", type=int, default=None, help="Run the first N prompts of each category, round-robin."
+    "--per-category",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run the first N prompts of each category, round-robin.",
 )
-@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @sampling_flags
 @click.option(
     "--out",
@@ -902,7 +929,7 @@ def eval_group() -> None:
     help="Skip the first N problems (seeds stay the problems' indices in the full set).",
 )
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Run at most N problems.")
-@click.option("--max-tokens", type=int, default=512, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @sampling_flags
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per test run.")
 @click.option(

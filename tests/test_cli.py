@@ -81,6 +81,44 @@ def test_bad_settings_are_one_line_errors(runner, tiny_pair, extra, code, messag
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("command", "extra", "flag"),
+    [
+        (["generate", "hi"], ["--threads", "0"], "--threads"),
+        (["generate", "hi"], ["--n-ctx", "-1"], "--n-ctx"),
+        (["generate", "hi"], ["--max-tokens", "0"], "--max-tokens"),
+        (["generate", "hi"], ["--max-tokens", "-1"], "--max-tokens"),
+        (["generate", "hi"], ["--seed", "-1"], "--seed"),
+        (["generate", "hi"], ["--top-k", "-1"], "--top-k"),
+        (["generate", "hi"], ["--n-gpu-layers", "-2"], "--n-gpu-layers"),
+        (["chat"], ["--max-tokens", "0"], "--max-tokens"),
+        (["serve"], ["--threads", "0"], "--threads"),
+        (["bench"], ["--limit", "0"], "--limit"),
+        (["bench"], ["--per-category", "0"], "--per-category"),
+        (["eval", "humaneval"], ["--max-tokens", "0"], "--max-tokens"),
+    ],
+)
+def test_integer_flags_out_of_range_are_refused_before_any_model_loads(
+    runner, tiny_pair, monkeypatch, command, extra, flag
+):
+    from cactus_edge import engine
+
+    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    result = runner.invoke(main, [*command, *pair_args(tiny_pair), *extra])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}'" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("extra", [["--json"], ["--profile"], ["--json", "--profile"]])
+def test_compare_refuses_the_flags_it_would_ignore(runner, tiny_pair, monkeypatch, extra):
+    from cactus_edge import engine
+
+    monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair), "--compare", *extra])
+    assert result.exit_code == 2
+    assert "--compare prints its own two summaries" in result.stderr
+
+
 def test_missing_and_mismatched_models(runner, tmp_path, tiny_pair, tiny_mismatch):
     result = runner.invoke(
         main, ["generate", "hi", "--draft", str(tmp_path / "x.gguf"), "--target", str(tiny_pair[1])]
