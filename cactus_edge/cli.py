@@ -3,6 +3,7 @@ messages on stderr and the exit code their type carries."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -242,6 +243,9 @@ def models_inspect(path_or_name: str) -> None:
         click.echo(f"{key:<15} {value}")
 
 
+HINT_MARKER = ".faster-pair-hint-shown"  # in the models folder, once the hint has been shown
+
+
 @dataclass(frozen=True)
 class ModelChoice:
     """Which models to load and how: the flags of `model_options`, checked when parsed."""
@@ -269,9 +273,18 @@ class ModelChoice:
 
     def faster_pair_hint(self) -> str:
         """Where a faster pair is one command away: the default pair on a CPU (its Q4_K_M files
-        verify batches slower than a Q4_0 copy; the quality cost is measured in docs)."""
+        verify batches slower than a Q4_0 copy; the quality cost is measured in docs). Said once
+        per models folder, which keeps a marker file once it has."""
         if self.target or self.draft or (self.pair or DEFAULT_PAIR) != DEFAULT_PAIR or self.n_gpu_layers:
             return ""
+        from .registry import default_models_dir
+
+        marker = default_models_dir() / HINT_MARKER
+        if marker.exists():
+            return ""
+        with contextlib.suppress(OSError):  # an unwritable folder: the hint comes every time
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
         command = "cactus-edge models quantize default --type q4_0"
         return f" (on a CPU, `{command}` makes a faster pair: --pair default-q4_0)"
 
@@ -615,7 +628,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
     import json
 
     if compare and (as_json or profile):
-        raise click.UsageError("--compare prints its own two summaries: it takes neither --json nor --profile")
+        raise click.UsageError("--compare prints its own two summaries: it takes no --json or --profile")
     if prompt == "-":
         prompt = sys.stdin.read()
     _one_constraint(flags)

@@ -330,3 +330,17 @@ def test_two_constraints_are_refused(runner, tiny_pair, tmp_path, monkeypatch, c
     error = result.stderr.splitlines()[-1]
     assert error.startswith("Error: give at most one of --json-schema, --grammar and --regex, not ")
     assert all(option in error for option in constraints[::2])
+
+
+def test_the_faster_pair_hint_is_said_once_per_models_folder(tmp_path, monkeypatch):
+    from cactus_edge.cli import HINT_MARKER, ModelChoice
+
+    default = ModelChoice(None, None, None, n_ctx=512, threads=None, n_gpu_layers=0, verbose=False)
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path / "models"))
+    assert "models quantize default --type q4_0" in default.faster_pair_hint()
+    assert (tmp_path / "models" / HINT_MARKER).exists()
+    assert default.faster_pair_hint() == ""  # said once
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path / "other"))
+    assert default.faster_pair_hint() != ""  # another folder: once there too
+    own = ModelChoice(None, None, "mine.gguf", n_ctx=512, threads=None, n_gpu_layers=0, verbose=False)
+    assert own.faster_pair_hint() == ""  # only the default pair has a faster copy to make
