@@ -253,6 +253,19 @@ def compile_constraints(engine: Engine, prompts: list[dict], settings: dict) -> 
     return [ms for source, ms in engine.grammars.compile_ms.items() if source not in cached_before]
 
 
+def plan_line(prompts: Sequence[dict], variants: Sequence, max_tokens: int, ms_per_token: float) -> str:
+    """What a bench run is about to do and how long that takes at most at plain decoding's speed
+    (``ms_per_token``, measured on this machine), said before it starts."""
+    n_replies = sum(len(turns_of(entry)) for entry in prompts) * len(variants)
+    minutes = n_replies * max_tokens * ms_per_token / 60_000
+    took = f"{minutes:.0f} min" if minutes >= 1 else "under a minute"
+    return (
+        f"bench: {len(variants)} variants x {len(prompts)} prompts = {n_replies} replies of up to "
+        f"{max_tokens} tokens; at plain decoding's {ms_per_token:.0f} ms a token here, up to {took} "
+        f"(--limit or --per-category run fewer prompts, --methods fewer variants)"
+    )
+
+
 def turns_of(entry: dict) -> list[str]:
     """The user turns of a workload entry: its ``turns``, or its one ``prompt``."""
     return list(entry["turns"]) if "turns" in entry else [entry["prompt"]]

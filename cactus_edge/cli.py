@@ -841,6 +841,7 @@ def bench(
         make_variants,
         markdown_table,
         peak_rss_mb,
+        plan_line,
         project_memory_bound,
         run_bench,
         summarize,
@@ -865,6 +866,8 @@ def bench(
     needs_model = any(defaults.needs_draft_model(v.method, v.drafter) for v in variants)
     engine = model.load("cactus" if needs_model else "none")
     with engine:
+        ms_per_token = engine.measure_costs(sizes=(1,))["verify_ms"][1]
+        click.echo(plan_line(prompts, variants, max_tokens, ms_per_token), err=True)
         records = run_bench(
             engine, prompts, variants, settings, progress=lambda line: click.echo(line, err=True)
         )

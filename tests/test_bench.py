@@ -71,10 +71,21 @@ def test_summary_speedups_are_per_prompt_ratios_to_none():
 
 
 def run_bench_command(tiny_args, out, *flags) -> dict:
-    """`cactus-edge bench` on the tiny pair; its bench.json."""
+    """`cactus-edge bench` on the tiny pair; its bench.json, and its stderr under "stderr"."""
     result = CliRunner().invoke(main, ["bench", *tiny_args, *flags, "--out", str(out)])
     assert result.exit_code == 0, result.output
-    return json.loads((out / "bench.json").read_text())
+    return {**json.loads((out / "bench.json").read_text()), "stderr": result.stderr}
+
+
+def test_the_plan_counts_every_reply_and_bounds_the_time():
+    from cactus_edge.bench import plan_line
+
+    prompts = [{"prompt": "a", "category": "x"}, {"turns": ["b", "c", "d"], "category": "y"}]
+    line = plan_line(prompts, ["v1", "v2", "v3"], max_tokens=200, ms_per_token=50.0)
+    # (1 + 3) turns x 3 variants = 12 replies; 12 x 200 tokens x 50 ms = 120 s = 2 min.
+    assert line.startswith("bench: 3 variants x 2 prompts = 12 replies of up to 200 tokens;")
+    assert "50 ms a token here, up to 2 min" in line
+    assert "under a minute" in plan_line(prompts[:1], ["v"], max_tokens=10, ms_per_token=5.0)
 
 
 def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
@@ -86,6 +97,7 @@ def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
         *["--limit", "2", "--max-tokens", "12"],
     )
     labels = ["none", "sps k=3 [model+lookup]", "cactus δ=0.5 k=3 [model+lookup]"]  # the default drafter
+    assert data["stderr"].startswith("bench: 3 variants x 2 prompts = 6 replies of up to 12 tokens;")
     assert [r["variant"] for r in data["runs"]] == labels * 2
     assert [r["prompt"] for r in data["runs"]] == [0, 0, 0, 1, 1, 1]  # interleaved
     assert set(data["summary"]) == set(labels)
