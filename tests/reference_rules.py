@@ -108,7 +108,7 @@ def law_for(name: str, **params):
     return laws[name]
 
 
-# --- the single-position output law ----------------------------------------------------------
+# --- the single-position output law (docs/methods.md, 'The exact oracle') --------------------
 
 
 def output_law(law, draft_probs, target_probs) -> np.ndarray:
@@ -201,4 +201,31 @@ def processed(logits, temperature: float, top_k: int) -> np.ndarray:
     weights = np.exp(scaled - scaled.max())
     out = np.zeros_like(logits)
     out[keep] = weights / weights.sum()
+    return out
+
+
+def processed_full(logits, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0):
+    """softmax(logits / T) over the top-k logits (0: all; ties by lower id), then the shortest
+    prefix by descending probability (ties by lower id) whose mass reaches top_p, then the entries
+    ≥ min_p × the largest; renormalised, zero elsewhere. Computed in float64 from a full sort."""
+    logits = np.asarray(logits, dtype=np.float64)
+    order = np.argsort(-logits, kind="stable")
+    if top_k:
+        order = order[:top_k]
+    scaled = logits[order] / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    kept = []
+    mass = 0.0
+    for index, prob in zip(order, probs, strict=True):
+        if top_p < 1.0 and mass >= top_p:
+            break
+        kept.append((int(index), float(prob)))
+        mass += float(prob)
+    largest = max(prob for _, prob in kept)
+    kept = [(index, prob) for index, prob in kept if prob >= min_p * largest]
+    out = np.zeros_like(logits)
+    total = sum(prob for _, prob in kept)
+    for index, prob in kept:
+        out[index] = prob / total
     return out
