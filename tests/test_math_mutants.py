@@ -455,16 +455,21 @@ def test_top_k_around_a_tied_floor_keeps_the_largest_entries_in_order():
     np.testing.assert_array_equal(to_dense(process_logits(row[0], config))[[5, 21]], [1.0, 0.0])
 
 
+def assert_top_k_as_a_full_sort(rows, k: int) -> None:
+    """top_k_logits' ids and values of each row equal a stable full sort's first k (ties: lower id)."""
+    ids, values = top_k_logits(rows, k)
+    for row, row_ids, row_values in zip(rows, ids, values, strict=True):
+        expected = np.argsort(-row.astype(np.float64), kind="stable")[:k]
+        np.testing.assert_array_equal(row_ids, expected)
+        np.testing.assert_array_equal(row_values, row[expected])
+
+
 def test_top_k_by_groups_on_a_vocabulary_size_seen_first_here():
     # 64 · 41 + 7 ids: 41 groups (≥ 8 · k) and a 7-id tail; the group offsets are built afresh.
     rng = np.random.default_rng(41)
     rows = rng.normal(size=(3, 64 * 41 + 7)).astype(np.float32)
     rows[1, -3] = 9.0  # a winner in the tail
-    ids, values = top_k_logits(rows, 4)
-    for row, row_ids, row_values in zip(rows, ids, values, strict=True):
-        expected = np.argsort(-row.astype(np.float64), kind="stable")[:4]
-        np.testing.assert_array_equal(row_ids, expected)
-        np.testing.assert_array_equal(row_values, row[expected])
+    assert_top_k_as_a_full_sort(rows, 4)
 
 
 def test_a_small_vocabulary_row_with_no_finite_logit_is_named():
@@ -790,11 +795,7 @@ def test_top_k_by_groups_builds_its_group_offsets_on_an_empty_cache(monkeypatch)
     monkeypatch.setattr(sampling, "_offsets", {})
     rng = np.random.default_rng(17)
     rows = rng.normal(size=(2, 64 * 20 + 3)).astype(np.float32)  # 20 groups ≥ 8 · 2, a 3-id tail
-    ids, values = top_k_logits(rows, 2)
-    for row, row_ids, row_values in zip(rows, ids, values, strict=True):
-        expected = np.argsort(-row.astype(np.float64), kind="stable")[:2]
-        np.testing.assert_array_equal(row_ids, expected)
-        np.testing.assert_array_equal(row_values, row[expected])
+    assert_top_k_as_a_full_sort(rows, 2)
 
 
 def test_the_nucleus_measures_its_mass_against_a_float64_total():
