@@ -6,13 +6,16 @@ without llama.cpp.
 
 from importlib import import_module
 
-from .acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance, Verdict
 from .errors import CactusEdgeError
-from .sampling import SamplingConfig, SparseProbs, process_logits
+from .rules.acceptance import Cactus, ExactMatch, SpeculativeSampling, TypicalAcceptance, Verdict
+from .rules.sampling import SamplingConfig, SparseProbs, process_logits
 
 _LAZY = {
-    name: ".engine"
-    for name in ("Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StreamEvent")
+    "Engine": ".engine.engine",
+    "GenerationConfig": ".engine.config",
+    "GenerationResult": ".engine.events",
+    "GenerationStats": ".engine.stats",
+    "StreamEvent": ".engine.events",
 }
 
 __all__ = [

@@ -34,8 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cactus_edge.registry import resolve_model_path
-from cactus_edge.script_args import (
+from script_args import (
     engine_from_args,
     free_port,
     log_tail,
@@ -45,13 +44,15 @@ from cactus_edge.script_args import (
     wait_ready,
 )
 
+from cactus_edge.catalog.registry import resolve_model_path
+
 CATEGORIES = ("mixed", "code-editing", "conversations")
 
 
 def workload(category: str, per_category: int) -> list[list[str]]:
     """The requests of a category, each a list of user turns (one for a single prompt)."""
-    from cactus_edge.bench import load_conversations, load_prompts
-    from cactus_edge.bench import per_category as first_of_each
+    from cactus_edge.cli.bench import load_conversations, load_prompts
+    from cactus_edge.cli.bench import per_category as first_of_each
 
     if category == "conversations":
         return [c["turns"] for c in load_conversations()]
@@ -73,7 +74,16 @@ def _popen(command: list[str], stdout, name: str) -> subprocess.Popen:
 
 
 def start_ours(args) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "cactus_edge.cli", "serve", "--port", "0", "--json", *model_flags(args)]
+    command = [
+        sys.executable,
+        "-m",
+        "cactus_edge.cli.main",
+        "serve",
+        "--port",
+        "0",
+        "--json",
+        *model_flags(args),
+    ]
     for flag in ("method", "n_draft", "drafter"):  # none given: the server's defaults
         if getattr(args, flag):
             command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -172,8 +182,8 @@ def run_phase(url: str, model: str, args, clients: int, requests: list[list[str]
 
 def run_direct(args, requests: list[list[str]], round_index: int) -> dict:
     """The same requests on an in-process Engine with the same defaults (one client)."""
-    from cactus_edge.bench import converse
-    from cactus_edge.config import GenerationConfig
+    from cactus_edge.cli.bench import converse
+    from cactus_edge.engine.config import GenerationConfig
 
     settings = {k: getattr(args, k) for k in ("method", "n_draft", "drafter") if getattr(args, k)}
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}

@@ -22,11 +22,12 @@ import sys
 import threading
 from pathlib import Path
 
-from cactus_edge.backend_rpc import Endpoint
+from script_args import free_port
+
 from cactus_edge.errors import WorkerLostError
+from cactus_edge.llama.rpc import Endpoint
+from cactus_edge.llama.worker import wait_for_worker, worker_command
 from cactus_edge.machine import cpu_model_name
-from cactus_edge.script_args import free_port
-from cactus_edge.worker import wait_for_worker, worker_command
 
 
 def start_worker(port: int, threads: int) -> subprocess.Popen:
@@ -88,7 +89,8 @@ class DelayProxy:
 
 def run_bench(args, endpoints: list[str], out: Path) -> dict:
     command = [
-        sys.executable, "-m", "cactus_edge.cli", "bench", "--pair", args.pair, "--rpc", ",".join(endpoints),
+        sys.executable, "-m", "cactus_edge.cli.main", "bench", "--pair", args.pair,
+        "--rpc", ",".join(endpoints),
         "--methods", "none,cactus", "--deltas", "1", "--n-draft", "auto",
         "--max-tokens", str(args.max_tokens), "--out", str(out),
     ]  # fmt: skip

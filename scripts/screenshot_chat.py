@@ -11,7 +11,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.tui import CactusChatApp
 
 

@@ -21,9 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-from cactus_edge.config import GenerationConfig
-from cactus_edge.engine import Engine
-from cactus_edge.script_args import engine_from_args, script_parser
+from script_args import engine_from_args, script_parser
+
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.engine import Engine
 
 QUESTIONS = [
     "Name one prime number.",

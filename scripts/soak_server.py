@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_server import start_and_read_url
+from script_args import engine_from_args, model_flags, script_parser
 
-from cactus_edge.bench import load_prompts
-from cactus_edge.script_args import engine_from_args, model_flags, script_parser
+from cactus_edge.cli.bench import load_prompts
 
 # Short prompts only: a soak is about many requests, not long prefills.
 PROMPTS = [p["prompt"] for p in load_prompts() if p["category"] != "code-editing"]

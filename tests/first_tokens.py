@@ -15,8 +15,8 @@ from unittest import mock
 import numpy as np
 from scipy import stats as scipy_stats
 
-from cactus_edge.config import GenerationConfig
-from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.rules.sampling import SamplingConfig, process_logits, to_dense
 
 MIN_EXPECTED = 5.0  # chi-square cells expecting fewer runs are pooled
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from cactus_edge.acceptance import (
+from cactus_edge.rules.acceptance import (
     Cactus,
     ExactMatch,
     SpeculativeSampling,
@@ -27,7 +27,7 @@ from cactus_edge.acceptance import (
     output_kl,
     output_kls,
 )
-from cactus_edge.sampling import SparseProbs, sample_token, to_dense
+from cactus_edge.rules.sampling import SparseProbs, sample_token, to_dense
 
 N_TRIALS = 20_000
 ALPHA = 1e-3
@@ -386,7 +386,7 @@ def test_property_valid_inputs_give_valid_verdicts_and_distributions(block):
 def test_vectorized_output_kl_equals_the_per_token_oracle(rule):
     # output_kl's matrix form (used per step by the engine and the KL budget) against the oracle
     # loop of output_distribution, on sparse rows like the engine's: top-k, top-p, partial overlap.
-    from cactus_edge.sampling import SamplingConfig, process_logits
+    from cactus_edge.rules.sampling import SamplingConfig, process_logits
 
     rng = np.random.default_rng(7)
     for _ in range(150):
@@ -426,7 +426,7 @@ def test_output_kls_of_a_whole_step_equal_the_oracle_position_by_position(rule):
     # The engine measures all positions of a step at once: rows of different widths (model drafts
     # with top-p padding, one-token lookup drafts, drafts the target never proposes) share one
     # padded matrix computation, which must not leak between positions.
-    from cactus_edge.sampling import SamplingConfig, process_logits
+    from cactus_edge.rules.sampling import SamplingConfig, process_logits
 
     rng = np.random.default_rng(11)
     for _ in range(60):
@@ -450,8 +450,8 @@ def test_output_kls_of_a_whole_step_equal_the_oracle_position_by_position(rule):
 def test_output_kls_works_on_supports_not_on_stored_widths():
     # top-k 1,000 with a tight top-p stores 1,000 entries per row, nearly all of them zero: the
     # shared columns (and the (n, m, m) law) must be as wide as the supports, not the rows.
-    from cactus_edge.acceptance import _shared_columns
-    from cactus_edge.sampling import SamplingConfig, process_logits
+    from cactus_edge.rules.acceptance import _shared_columns
+    from cactus_edge.rules.sampling import SamplingConfig, process_logits
 
     logits = np.random.default_rng(5).standard_normal((6, 2000)).astype(np.float32) * 3
     rows = process_logits(logits, SamplingConfig(temperature=0.7, top_k=1000, top_p=0.5))

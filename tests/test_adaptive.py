@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
-from cactus_edge.adaptive import (
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.drafters import DraftPlanner
+from cactus_edge.engine.lookup import NgramIndex, point_mass_rows
+from cactus_edge.rules.draft_length import (
     MIN_PROBE_INTERVAL,
     AcceptanceTracker,
     CostModel,
@@ -14,9 +17,6 @@ from cactus_edge.adaptive import (
     expected_run,
     expected_tokens,
 )
-from cactus_edge.config import GenerationConfig
-from cactus_edge.drafters import DraftPlanner
-from cactus_edge.lookup import NgramIndex, point_mass_rows
 
 
 def test_expected_tokens_is_one_plus_the_expected_accepted_prefix():
@@ -158,7 +158,7 @@ def test_lookup_match_length_extends_the_ngram_backwards(context, expected):
 
 
 def test_a_long_copy_is_its_own_match_class():
-    from cactus_edge.lookup import MAX_MATCH_LENGTH, match_bucket
+    from cactus_edge.engine.lookup import MAX_MATCH_LENGTH, match_bucket
 
     code = list(range(100, 140))
     tokens, length = NgramIndex().match(code + [1, 2] + code[:30], 4)
@@ -314,7 +314,7 @@ def test_a_lazy_prompt_catch_up_is_spread_over_the_horizon_it_buys():
 def test_a_plain_step_teaches_the_lookup_class_whether_the_target_followed_its_guess():
     """While `auto` keeps k = 0 a lookup class would never learn; the target's own token on a plain
     step says whether the guess's first token was right, at no cost."""
-    from cactus_edge.drafters import Proposal
+    from cactus_edge.engine.drafters import Proposal
 
     planner = DraftPlanner(GenerationConfig(n_draft="auto"), CostModel(), {})
     prior = planner.tracker("lookup/16+").rates[0]

@@ -5,13 +5,13 @@ import time
 import numpy as np
 import pytest
 
-from cactus_edge.backend import Detokenizer, LlamaModel
 from cactus_edge.errors import (
     BackendError,
     ContextLengthError,
     InvalidModelFileError,
     ModelNotFoundError,
 )
+from cactus_edge.llama.model import Detokenizer, LlamaModel
 
 # Batched and one-token decoding sum in different orders; f32 logits of std ~4 differ by ~1e-3.
 LOGIT_ATOL = 2e-2
@@ -232,7 +232,7 @@ def test_a_call_interrupted_before_it_started_is_withdrawn():
     """Ctrl-C while a call waits behind another: it never runs, and the caller returns at once."""
     import threading
 
-    from cactus_edge.backend import _COMPUTE
+    from cactus_edge.llama.model import _COMPUTE
 
     release, busy, ran = threading.Event(), threading.Event(), []
     blocker = threading.Thread(target=_COMPUTE.call, args=(lambda: (busy.set(), release.wait(10)),))
@@ -253,7 +253,7 @@ def test_a_call_interrupted_before_it_started_is_withdrawn():
 def test_an_interrupt_is_not_lost_when_the_running_call_fails():
     import threading
 
-    from cactus_edge.backend import _COMPUTE
+    from cactus_edge.llama.model import _COMPUTE
 
     def failing_after_the_interrupt():
         delivered = threading.Event()

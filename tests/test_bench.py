@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.bench import Variant, load_prompts, make_variants, markdown_table, summarize
-from cactus_edge.cli import main
+from cactus_edge.cli.bench import Variant, load_prompts, make_variants, markdown_table, summarize
+from cactus_edge.cli.main import main
 
 
 def test_variants_put_the_baseline_first_and_cross_the_lists():
@@ -78,7 +78,7 @@ def run_bench_command(tiny_args, out, *flags) -> dict:
 
 
 def test_the_plan_counts_every_reply_and_bounds_the_time():
-    from cactus_edge.bench import plan_line
+    from cactus_edge.cli.bench import plan_line
 
     prompts = [{"prompt": "a", "category": "x"}, {"turns": ["b", "c", "d"], "category": "y"}]
     line = plan_line(prompts, ["v1", "v2", "v3"], max_tokens=200, ms_per_token=50.0)
@@ -109,7 +109,7 @@ def test_bench_command_on_the_tiny_pair(tiny_args, tmp_path):
 
 def test_per_category_takes_the_first_of_each_round_robin():
     prompts = [{"category": c, "prompt": f"{c}{i}"} for c in ("a", "b", "c") for i in range(3)]
-    from cactus_edge.bench import per_category
+    from cactus_edge.cli.bench import per_category
 
     assert [p["prompt"] for p in per_category(prompts, 2)] == ["a0", "b0", "c0", "a1", "b1", "c1"]
     config = Variant("cactus", 0.5, "auto", "lookup").config(seed=3, max_tokens=9)
@@ -135,9 +135,9 @@ def test_lookup_only_bench_loads_no_draft_model(tiny_args, tmp_path):
 def test_each_variant_keeps_its_own_auto_estimates():
     """An `auto` variant must not learn from the variant run before it on the same prompt: each
     variant sees its own costs and acceptance rates, the same ones on every prompt."""
-    from cactus_edge.bench import run_bench
-    from cactus_edge.events import GenerationResult, StreamEvent
-    from cactus_edge.stats import GenerationStats
+    from cactus_edge.cli.bench import run_bench
+    from cactus_edge.engine.events import GenerationResult, StreamEvent
+    from cactus_edge.engine.stats import GenerationStats
 
     class RecordingEngine:
         draft = object()
@@ -187,7 +187,7 @@ def test_typical_acceptance_thresholds_make_one_variant_each():
 
 def test_the_frontier_plot_needs_two_points_of_a_lossy_rule(tmp_path):
     pytest.importorskip("matplotlib")
-    from cactus_edge.plots import plot_frontier
+    from cactus_edge.cli.plots import plot_frontier
 
     def entry(method, al, kl, delta=1.0, threshold=0.09):
         return {
@@ -246,7 +246,7 @@ def test_bench_rejects_a_negative_kl_budget(tiny_args):
 
 def test_budgeted_variants_stay_off_the_frontier(tmp_path):
     pytest.importorskip("matplotlib")
-    from cactus_edge.plots import plot_frontier
+    from cactus_edge.cli.plots import plot_frontier
 
     def entry(al, kl, budget):
         return {
@@ -268,7 +268,7 @@ def test_budgeted_variants_stay_off_the_frontier(tmp_path):
 
 
 def test_the_bundled_coding_conversations():
-    from cactus_edge.bench import load_conversations, load_structured, load_workload
+    from cactus_edge.cli.bench import load_conversations, load_structured, load_workload
 
     conversations = load_conversations()
     assert len(conversations) >= 8 and len({c["language"] for c in conversations}) >= 3
@@ -285,8 +285,8 @@ def test_the_bundled_coding_conversations():
 
 
 def test_a_conversation_reuses_its_cached_prefix_across_turns(tiny_pair):
-    from cactus_edge.bench import run_conversation
-    from cactus_edge.engine import Engine
+    from cactus_edge.cli.bench import run_conversation
+    from cactus_edge.engine.engine import Engine
 
     entry = {"category": "conversation", "turns": ["the code is", "and the water is"]}
     variant = Variant("sps", n_draft=3, drafter="model+lookup")
@@ -302,12 +302,12 @@ def test_a_conversation_reuses_its_cached_prefix_across_turns(tiny_pair):
 
 
 def test_bench_says_when_auto_started_from_costs_kept_by_an_earlier_run(tiny_args, tmp_path, monkeypatch):
-    from cactus_edge import engine as engine_module
-    from cactus_edge.cost_cache import COST_CACHE_ENV
+    from cactus_edge.engine import calibration
+    from cactus_edge.engine.cost_cache import COST_CACHE_ENV
 
     monkeypatch.setenv(COST_CACHE_ENV, str(tmp_path / "costs"))
     # The tiny models decode in ~0.1 ms, too noisy for the kept table's drift check (tested apart).
-    monkeypatch.setattr(engine_module, "still_holds", lambda kept, fresh: True)
+    monkeypatch.setattr(calibration, "still_holds", lambda kept, fresh: True)
     flags = [*["--methods", "none,cactus", "--deltas", "1", "--n-draft", "auto"], *["--limit", "1"]]
     flags += ["--max-tokens", "6"]
     runs = {}
@@ -512,7 +512,7 @@ def grammar_accepts(schema: dict, text: str) -> bool:
     through llguidance's byte tokenizer (no model needed)."""
     import llguidance
 
-    from cactus_edge.grammar import grammar_source, parse_json_schema
+    from cactus_edge.constraints.grammar import grammar_source, parse_json_schema
 
     tokenizer = llguidance.LLTokenizer("byte")
     matcher = llguidance.LLMatcher(tokenizer, grammar_source(parse_json_schema(schema), None, None))
@@ -520,8 +520,8 @@ def grammar_accepts(schema: dict, text: str) -> bool:
 
 
 def test_the_bundled_structured_prompts_have_compiling_schemas_of_every_kind():
-    from cactus_edge.bench import STRUCTURED_KINDS, load_structured, load_workload
-    from cactus_edge.grammar import grammar_source, parse_json_schema
+    from cactus_edge.cli.bench import STRUCTURED_KINDS, load_structured, load_workload
+    from cactus_edge.constraints.grammar import grammar_source, parse_json_schema
 
     structured = load_structured()
     assert len(structured) >= 8 and len({e["id"] for e in structured}) == len(structured)
@@ -539,7 +539,7 @@ def test_the_bundled_structured_prompts_have_compiling_schemas_of_every_kind():
 
 
 def test_every_structured_prompt_has_an_answer_its_schema_accepts():
-    from cactus_edge.bench import load_structured
+    from cactus_edge.cli.bench import load_structured
 
     structured = {e["id"]: e["json_schema"] for e in load_structured()}
     assert set(EXAMPLE_ANSWERS) == set(structured)
@@ -555,7 +555,7 @@ def test_every_structured_prompt_has_an_answer_its_schema_accepts():
 
 
 def test_a_jsonl_prompt_keeps_its_schema_and_each_entry_gets_its_own(tmp_path):
-    from cactus_edge.bench import entry_settings
+    from cactus_edge.cli.bench import entry_settings
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     path = tmp_path / "mine.jsonl"
@@ -570,7 +570,7 @@ def test_a_jsonl_prompt_keeps_its_schema_and_each_entry_gets_its_own(tmp_path):
 
 
 def test_the_forced_share_counts_constrained_replies_only():
-    from cactus_edge.bench import forced_tokens_table
+    from cactus_edge.cli.bench import forced_tokens_table
 
     variants = [Variant("none", n_draft=0), Variant("sps", n_draft=4)]
     records = [
@@ -591,9 +591,9 @@ def test_the_forced_share_counts_constrained_replies_only():
 def test_a_structured_bench_constrains_every_variant_and_reports_forced_tokens(
     tiny_args, tmp_path, monkeypatch
 ):
-    from cactus_edge.bench import load_structured
-    from cactus_edge.engine import Engine
-    from cactus_edge.grammar import parse_json_schema
+    from cactus_edge.cli.bench import load_structured
+    from cactus_edge.constraints.grammar import parse_json_schema
+    from cactus_edge.engine.engine import Engine
 
     calls = []  # ("check" or "stream", config), in order
     real_stream, real_check = Engine.stream, Engine.check_request

@@ -5,8 +5,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.cli import main
-from cactus_edge.stats import PROFILE_PARTS
+from cactus_edge.cli.main import main
+from cactus_edge.engine.stats import PROFILE_PARTS
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_bad_settings_are_one_line_errors(runner, tiny_pair, extra, code, messag
 def test_integer_flags_out_of_range_are_refused_before_any_model_loads(
     runner, tiny_pair, monkeypatch, command, extra, flag
 ):
-    from cactus_edge import engine
+    from cactus_edge.engine import engine
 
     monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     result = runner.invoke(main, [*command, *pair_args(tiny_pair), *extra])
@@ -111,7 +111,7 @@ def test_integer_flags_out_of_range_are_refused_before_any_model_loads(
 
 @pytest.mark.parametrize("extra", [["--json"], ["--profile"], ["--json", "--profile"]])
 def test_compare_refuses_the_flags_it_would_ignore(runner, tiny_pair, monkeypatch, extra):
-    from cactus_edge import engine
+    from cactus_edge.engine import engine
 
     monkeypatch.setattr(engine.Engine, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     result = runner.invoke(main, ["generate", "hi", *pair_args(tiny_pair), "--compare", *extra])
@@ -167,7 +167,7 @@ def test_pair_and_explicit_models_are_refused_before_loading(runner, tiny_pair, 
 
 
 def test_an_internal_error_is_not_reported_as_bad_input(runner, tiny_pair, monkeypatch):
-    from cactus_edge.engine import Engine
+    from cactus_edge.engine.engine import Engine
 
     def broken(*args, **kwargs):
         raise TypeError("unsupported operand")
@@ -180,18 +180,17 @@ def test_an_internal_error_is_not_reported_as_bad_input(runner, tiny_pair, monke
 
 
 def test_summary_line_prints_no_negative_zero_and_no_kl_for_lossless_runs():
-    from cactus_edge.cli import summary_line
-    from cactus_edge.stats import GenerationStats, StepStats
+    from cactus_edge.engine.stats import GenerationStats, StepStats
 
     lossy = GenerationStats(method="cactus", lossy=True)
     lossy.record(StepStats(4, 4, 1.0, 1.0, 2.0, kl=-1e-18, n_decided=4))  # rounding below zero
-    assert "KL 0.0000" in summary_line(lossy) and "-0.0000" not in summary_line(lossy)
+    assert "KL 0.0000" in lossy.summary_line() and "-0.0000" not in lossy.summary_line()
     exact = GenerationStats(method="sps", lossy=False)
     exact.record(StepStats(4, 2, 1.0, 1.0, 2.0, kl=0.0, n_decided=3))
-    assert "KL" not in summary_line(exact)
+    assert "KL" not in exact.summary_line()
     plain = GenerationStats(method="none")
     plain.record(StepStats(0, 0, 0.0, 1.0, 1.0, drafter="none"))
-    assert "KL" not in summary_line(plain) and "draft lengths" not in summary_line(plain)
+    assert "KL" not in plain.summary_line() and "draft lengths" not in plain.summary_line()
 
 
 def test_generate_prints_no_kl_for_a_lossless_method(runner, tiny_pair):
@@ -282,13 +281,12 @@ def test_generate_grammar_file_and_the_forced_count_in_the_summary(runner, tiny_
 
 
 def test_the_summary_counts_forced_tokens_only_under_a_constraint():
-    from cactus_edge.cli import summary_line
-    from cactus_edge.stats import GenerationStats, StepStats
+    from cactus_edge.engine.stats import GenerationStats, StepStats
 
     stats = GenerationStats(method="sps")
     stats.record(StepStats(4, 3, 1.0, 1.0, 2.0, n_decided=4, n_forced=2))
-    assert "forced" not in summary_line(stats)
-    assert ", 2 forced by the grammar, finish: " in summary_line(stats, constrained=True)
+    assert "forced" not in stats.summary_line()
+    assert ", 2 forced by the grammar, finish: " in stats.summary_line(constrained=True)
 
 
 @pytest.mark.parametrize(
@@ -333,7 +331,7 @@ def test_two_constraints_are_refused(runner, tiny_pair, tmp_path, monkeypatch, c
 
 
 def test_the_faster_pair_hint_is_said_once_per_models_folder(tmp_path, monkeypatch):
-    from cactus_edge.cli import HINT_MARKER, ModelChoice
+    from cactus_edge.cli.options import HINT_MARKER, ModelChoice
 
     default = ModelChoice(None, None, None, n_ctx=512, threads=None, n_gpu_layers=0, verbose=False)
     monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path / "models"))

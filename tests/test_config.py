@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cactus_edge.checks import is_int, is_number
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
 from cactus_edge.errors import InvalidSettingError
 
 # field: (accepted values, refused values); written from the documented ranges, not the table.

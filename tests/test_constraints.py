@@ -11,14 +11,15 @@ import json
 import numpy as np
 import pytest
 
-from cactus_edge import acceptance, constraints
-from cactus_edge.constraints import LogitShaper
-from cactus_edge.drafters import DraftSourceChooser, process_decoded
-from cactus_edge.engine import GenerationConfig, reply_shaper
+from cactus_edge.constraints import shaper as constraints
+from cactus_edge.constraints.grammar import TokenMask
+from cactus_edge.constraints.penalties import Penalties, apply_penalties
+from cactus_edge.constraints.shaper import LogitShaper
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.drafters import DraftSourceChooser, process_decoded
 from cactus_edge.errors import InvalidSettingError, NonFiniteLogitsError
-from cactus_edge.grammar import TokenMask
-from cactus_edge.penalties import Penalties, apply_penalties
-from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+from cactus_edge.rules import acceptance
+from cactus_edge.rules.sampling import SamplingConfig, process_logits, to_dense
 
 from .first_tokens import pooled_chisquare_pvalue, sample_first_drafted_steps
 from .test_bench import grammar_accepts
@@ -192,7 +193,7 @@ def test_greedy_constrained_speculation_equals_greedy_constrained_plain(engine, 
     if spec.tokens != plain.tokens:  # allowed only at a near-tie of the constrained target
         engine.clear_caches()
         # The grammar as it stands after the reply's first tokens (a matcher that consumed them).
-        shaper = reply_shaper(engine, context, GenerationConfig(method="none", **settings))
+        shaper = engine.reply_shaper(context, GenerationConfig(method="none", **settings))
         for token in plain.tokens[:compared]:
             shaper.advance(token)
         logits = shaper.shape(
@@ -246,7 +247,7 @@ def test_forced_tokens_after_a_draft_cost_no_draft_decode_and_no_target_logits(e
     """Inside a block, the tokens a grammar forces after a model draft are taken as point masses
     without a draft decode, and the verify asks llama.cpp for no logits where the grammar allows
     one token. (That the reply is plain greedy's is the equality test's, with ALTERNATING_LARK.)"""
-    from cactus_edge.drafters import ModelDrafter
+    from cactus_edge.engine.drafters import ModelDrafter
 
     config = GenerationConfig(
         method="sps", drafter="model", n_draft=6, temperature=0.0, max_tokens=40, grammar=ALTERNATING_LARK
@@ -310,7 +311,7 @@ def test_rows_settled_from_candidates_equal_whole_shaped_rows(engine, monkeypatc
     )
     prompt = engine.tokenize_prompt(PROMPT)
     reply = engine.generate(PROMPT, config.with_changes(method="none")).tokens
-    shaper = reply_shaper(engine, prompt, config)
+    shaper = engine.reply_shaper(prompt, config)
     for token in reply[:-1]:
         shaper.advance(token)
     sizes = sorted(shaper.mask_at(len(prompt) + i).n_allowed for i in range(len(reply)))
@@ -369,7 +370,7 @@ def test_a_wide_mask_that_refuses_the_rows_top_entries_still_gives_the_shaped_ro
 def test_a_lookup_proposal_is_cut_before_the_first_token_the_grammar_refuses(engine):
     config = GenerationConfig(regex=WORDS_REGEX)
     prompt = engine.tokenize_prompt(PROMPT)
-    shaper = reply_shaper(engine, prompt, config)
+    shaper = engine.reply_shaper(prompt, config)
     capital = engine.target.tokenize("X", add_special=False)[-1]
     words = engine.target.tokenize(" water hot", add_special=False)
     chooser = DraftSourceChooser("lookup", None, None, None, None, shaper)
@@ -531,8 +532,8 @@ def test_logit_bias_moves_the_greedy_choice(engine):
 def test_a_forced_only_block_teaches_auto_nothing_about_its_lookup_guess():
     """A block of forced tokens behind which lookup only guessed: its first emitted token is the
     forced one, not the token the guess was about, so no lookup outcome may be recorded."""
-    from cactus_edge.adaptive import CostModel
-    from cactus_edge.drafters import DraftPlanner, Proposal
+    from cactus_edge.engine.drafters import DraftPlanner, Proposal
+    from cactus_edge.rules.draft_length import CostModel
 
     planner = DraftPlanner(GenerationConfig(), CostModel(), {})
     proposal = Proposal(tokens=[5], rows=[None], n_forced=1, guess=[7], lookup_source="lookup/2")
@@ -543,8 +544,8 @@ def test_a_forced_only_block_teaches_auto_nothing_about_its_lookup_guess():
 def test_forced_tokens_inside_a_block_teach_auto_nothing(monkeypatch):
     """auto learns the acceptance of drafts only: a forced token after a draft is accepted
     whenever it is reached, so its verdict is left out, leading or not."""
-    from cactus_edge.adaptive import AcceptanceTracker, CostModel
-    from cactus_edge.drafters import DraftPlanner, Proposal
+    from cactus_edge.engine.drafters import DraftPlanner, Proposal
+    from cactus_edge.rules.draft_length import AcceptanceTracker, CostModel
 
     recorded = []
     monkeypatch.setattr(AcceptanceTracker, "record", lambda tracker, probs: recorded.append(probs))
@@ -561,8 +562,8 @@ def test_the_tokenizer_index_is_built_once_and_each_compile_is_timed(tiny_pair, 
     and only once; each grammar's compile time is kept beside it."""
     import llguidance.llamacpp
 
-    from cactus_edge.engine import Engine
-    from cactus_edge.grammar import grammar_source
+    from cactus_edge.constraints.grammar import grammar_source
+    from cactus_edge.engine.engine import Engine
 
     builds = []
     build = llguidance.llamacpp.lltokenizer_from_vocab
@@ -626,7 +627,7 @@ def test_a_verify_with_fixed_rows_left_out_gives_the_rows_processing_all_would(s
     """Positions where the grammar allows one token, between and around positions it leaves open:
     the rows merge_rows builds from the computed rows alone equal processing every row, with
     bias and penalties on (they cannot move a point mass)."""
-    from cactus_edge.engine import fixed_rows, merge_rows
+    from cactus_edge.engine.generation import fixed_rows, merge_rows
 
     vocab_size, rng = 300, np.random.default_rng(8)
     masks = [
@@ -658,7 +659,7 @@ def test_a_verify_with_fixed_rows_left_out_gives_the_rows_processing_all_would(s
 def test_a_non_finite_row_after_a_fixed_one_is_named_by_its_row_in_the_verify():
     """With a fixed row left out of the decode, the computed rows are renumbered back: the error
     names the verify's row and its cache position, not the row's index among those computed."""
-    from cactus_edge.engine import merge_rows
+    from cactus_edge.engine.generation import merge_rows
 
     vocab_size, sampling = 64, SamplingConfig(temperature=0.8, top_k=8)
     shaper = LogitShaper([1, 2, 3, 4, 5, 6, 7], new_matcher=lambda: _FixedMatcher(np.ones(vocab_size, bool)))
@@ -680,7 +681,7 @@ def test_a_non_finite_row_after_a_fixed_one_is_named_by_its_row_in_the_verify():
 def test_json_is_laid_out_as_json_dumps_so_keys_and_separators_are_forced():
     import llguidance
 
-    from cactus_edge.grammar import grammar_source, parse_json_schema
+    from cactus_edge.constraints.grammar import grammar_source, parse_json_schema
 
     schema = {
         "type": "object",
@@ -714,7 +715,7 @@ def test_a_grammar_that_forbids_forcing_forces_no_tokens(no_forcing):
     # once taken here), and later forced tokens and masks would follow from them.
     import llguidance
 
-    from cactus_edge.grammar import GrammarMatcher
+    from cactus_edge.constraints.grammar import GrammarMatcher
 
     tokenizer = llguidance.LLTokenizer("byte")
     head = '%llguidance {"no_forcing": true}\n' if no_forcing else ""
@@ -726,7 +727,7 @@ def test_a_grammar_that_forbids_forcing_forces_no_tokens(no_forcing):
 
 @pytest.mark.parametrize("text", ["true", "[1]"])
 def test_schema_text_that_is_no_object_is_a_typed_error_never_a_crash(text):
-    from cactus_edge.grammar import grammar_source
+    from cactus_edge.constraints.grammar import grammar_source
 
     with pytest.raises(InvalidSettingError) as raised:
         grammar_source(text, None, None)

@@ -1,4 +1,4 @@
-"""`auto`'s batch costs kept between processes (cactus_edge.cost_cache): measured once per CPU,
+"""`auto`'s batch costs kept between processes (cactus_edge.engine.cost_cache): measured once per CPU,
 model file and settings, then reused, so a one-shot generation does not re-measure them."""
 
 import json
@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from cactus_edge import engine as engine_module
-from cactus_edge.adaptive import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES
-from cactus_edge.cost_cache import (
+from cactus_edge.engine import calibration
+from cactus_edge.engine.cost_cache import (
     COST_CACHE_ENV,
     MAX_AGE_DAYS,
     cost_file,
@@ -17,7 +16,8 @@ from cactus_edge.cost_cache import (
     save_costs,
     still_holds,
 )
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.rules.draft_length import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES
 
 IDENTITY = {"file": "/models/x.gguf", "size": 10, "n_threads": 2, "cpu": "test CPU"}
 SIZES = (1, 2, 3)
@@ -81,13 +81,13 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
 
 
 def _count_measurements(monkeypatch) -> list:
-    calls, real = [], engine_module.measure_batch_costs
+    calls, real = [], calibration.measure_batch_costs
 
     def counting(model, sizes, filler, repeats=1):
         calls.append(tuple(sizes))
         return real(model, sizes, filler, repeats)
 
-    monkeypatch.setattr(engine_module, "measure_batch_costs", counting)
+    monkeypatch.setattr(calibration, "measure_batch_costs", counting)
     return calls
 
 
@@ -110,7 +110,7 @@ def test_a_second_engine_reuses_the_first_ones_calibration(tiny_pair, cache_dir,
     calls = _count_measurements(monkeypatch)
     # The tiny models decode in ~0.1 ms, too noisy for the drift check: it is tested on its own.
     checks = []
-    monkeypatch.setattr(engine_module, "still_holds", lambda kept, fresh: checks.append(fresh) or True)
+    monkeypatch.setattr(calibration, "still_holds", lambda kept, fresh: checks.append(fresh) or True)
     with Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=1) as engine:
         first = engine.generate("the water is", CONFIG)
         assert engine.costs.kept == set()
@@ -146,7 +146,7 @@ def test_a_kept_table_that_no_longer_holds_is_measured_again(tiny_pair, cache_di
 
 
 def test_costs_measured_behind_a_long_prompt_are_not_kept(tiny_pair, cache_dir, monkeypatch):
-    monkeypatch.setattr(engine_module, "MAX_KEPT_CONTEXT", 16)  # the tiny models hold 512 tokens
+    monkeypatch.setattr(calibration, "MAX_KEPT_CONTEXT", 16)  # the tiny models hold 512 tokens
     with Engine.load(None, str(tiny_pair[1]), n_ctx=512, n_threads=1) as engine:
         prompt = engine.tokenize_prompt("the water is hot and the fire is warm " * 8)[:40]
         result = engine.generate(prompt, CONFIG.with_changes(drafter="lookup"))

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
-from cactus_edge import backend, backend_rpc, dependencies
+from cactus_edge import dependencies
 from cactus_edge.errors import IncompatibleDependencyError
+from cactus_edge.llama import model as backend
+from cactus_edge.llama import rpc as backend_rpc
 
 
 def test_the_installed_uvicorn_has_every_internal_the_connection_guard_overrides():

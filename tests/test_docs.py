@@ -1,7 +1,7 @@
 """The docs name only commands and flags that exist, and link only to files that exist.
 
 Every `cactus-edge …` command line in README.md and docs/*.md (in fenced code blocks and in inline
-code) is checked against the click command tree of `cactus_edge.cli.main`, without running it: each
+code) is checked against the click command tree of `cactus_edge.cli.main.main`, without running it: each
 subcommand (and sub-subcommand, such as `models fetch`) must exist, and each `--flag` must be an
 option of the command it is given to. Commands whose subcommand is a placeholder (`…`, `<…>`) are
 skipped explicitly. Relative links and images must point to existing files, and a `#fragment` to
@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import pytest
 
-from cactus_edge.cli import main
+from cactus_edge.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.engine import Engine, GenerationConfig, _Generation
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.engine.generation import Generation
 from cactus_edge.errors import ContextLengthError, IncompatiblePairError
+from cactus_edge.llama.model import LlamaModel
 from cactus_edge.openai_api import create_chat_completion
-from cactus_edge.sampling import SamplingConfig, process_logits, to_dense
+from cactus_edge.rules.sampling import SamplingConfig, process_logits, to_dense
 
 from .conftest import TEST_THREADS
 from .first_tokens import assert_first_drafted_steps_follow_the_target, sample_first_drafted_steps, target_row
@@ -266,7 +267,7 @@ def test_a_reply_after_clear_caches_does_not_depend_on_the_request_before(engine
     it, reusing the cached prefix changes llama.cpp's rounding and with it some replies: on our
     AMD EPYC 2 of these 8 seeds (not asserted: whether rounding moves depends on the CPU's kernels;
     the test above checks the clearing itself)."""
-    from cactus_edge.evaluate import INSTRUCTION  # a long prefix shared by both requests
+    from cactus_edge.cli.humaneval import INSTRUCTION  # a long prefix shared by both requests
 
     turn = [{"role": "user", "content": INSTRUCTION.format(prompt='def f1(x):\n    """Twice x."""\n')}]
     other = [{"role": "user", "content": INSTRUCTION.format(prompt='def f0(x):\n    """Twice x."""\n')}]
@@ -422,7 +423,7 @@ class _Drafting:
     step. The target decodes nothing: only the draft is under test."""
 
     def __init__(self, engine, prompt_tokens, **settings):
-        self.generation = _Generation(
+        self.generation = Generation(
             engine, list(prompt_tokens), GenerationConfig(**settings), threading.Event()
         )
         self.generation.reuse_prefixes()
@@ -514,7 +515,7 @@ def test_auto_measures_every_verify_size_once_and_leaves_the_caches_clean(engine
 
 
 def test_warm_up_calibrates_auto_and_changes_no_output(engine, monkeypatch):
-    import cactus_edge.engine as engine_module
+    import cactus_edge.engine.generation as generation_module
 
     config = GenerationConfig(method="cactus", n_draft=3, max_tokens=12, seed=5)
     # Compared from the same (empty) cache: another history may move the logits' 6th digit, and
@@ -523,13 +524,13 @@ def test_warm_up_calibrates_auto_and_changes_no_output(engine, monkeypatch):
     before = engine.generate(PROMPT, config).tokens
     engine.reset_estimates()
     seen_before_calibration = []
-    calibrate = engine_module.calibrate
+    calibrate = generation_module.calibrate
 
     def spy(costs, *args):
         seen_before_calibration.append(dict(costs.verify.by_size))
         calibrate(costs, *args)
 
-    monkeypatch.setattr(engine_module, "calibrate", spy)
+    monkeypatch.setattr(generation_module, "calibrate", spy)
     engine.warm_up()
     assert seen_before_calibration == [{}]  # the cold warm-up decodes' timings were forgotten
     assert engine.costs.calibrated == {"target", "draft"}
@@ -550,7 +551,7 @@ def _proposals(engine, prompt, config, monkeypatch, end: tuple[int, int] | None 
     """Each step's proposed tokens (the prefill's empty one first); caches cleared first, so two
     runs draft alike until they differ. ``end`` = (step, token): from that step on, ``token`` is
     an end of generation for the target (before it, nothing is: the runs agree up to there)."""
-    from cactus_edge.drafters import DraftSourceChooser
+    from cactus_edge.engine.drafters import DraftSourceChooser
 
     proposals: list[list[int]] = []
     armed: list[bool] = []  # set as the step end[0] starts proposing

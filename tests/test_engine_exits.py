@@ -9,9 +9,9 @@ import gc
 
 import pytest
 
-from cactus_edge import acceptance
-from cactus_edge.backend import LlamaModel
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.llama.model import LlamaModel
+from cactus_edge.rules import acceptance
 
 PROMPT = "the water is hot and"
 GREEDY_BLOCKS = {"method": "sps", "temperature": 0.0, "n_draft": 4, "max_tokens": 40}

@@ -39,8 +39,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.llama.model import LlamaModel
 
 from . import reference_rules as ref
 from .conftest import TEST_THREADS

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.cli import main
-from cactus_edge.config import DRAFTERS, METHODS
-from cactus_edge.engine import Engine, GenerationConfig, _Generation
+from cactus_edge.cli.main import main
+from cactus_edge.engine.config import DRAFTERS, METHODS
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.engine.generation import Generation
 from cactus_edge.errors import NonFiniteLogitsError
-from cactus_edge.sampling import SamplingConfig, to_dense
+from cactus_edge.llama.model import LlamaModel
+from cactus_edge.rules.sampling import SamplingConfig, to_dense
 
 from .first_tokens import assert_first_drafted_steps_follow_the_target, sample_first_drafted_steps
 from .test_engine import MIN_COMPARED, greedy_compared_length
@@ -72,7 +73,7 @@ def test_draft_rows_live_on_the_target_vocabulary_and_never_propose_foreign_ids(
     prompt_tokens = engine.tokenize_prompt(PROMPT)
     for seed in range(50):
         settings = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "n_draft": 4, "seed": seed}
-        generation = _Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading_event())
+        generation = Generation(engine, list(prompt_tokens), GenerationConfig(**settings), threading_event())
         generation.reuse_prefixes()  # the draft catches up on the prompt inside sample, as in a step
         tokens, rows, _, _ = generation.drafter.model.sample(generation.committed, 4)
         assert all(row.shape[-1] == engine.target.vocab_size for row in rows)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.errors import EngineBusy, EngineClosedError
+from cactus_edge.llama.model import LlamaModel
 
 from .conftest import TEST_THREADS
 

@@ -6,9 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from cactus_edge.bench import Variant
-from cactus_edge.engine import GenerationResult, GenerationStats
-from cactus_edge.evaluate import (
+from cactus_edge.cli.bench import Variant
+from cactus_edge.cli.humaneval import (
     evaluate,
     extract_code,
     load_problems,
@@ -18,6 +17,7 @@ from cactus_edge.evaluate import (
     run_tests,
     wilson_interval,
 )
+from cactus_edge.engine.engine import GenerationResult, GenerationStats
 
 PROBLEMS = [
     {
@@ -189,7 +189,7 @@ def test_eval_command_on_the_tiny_pair(tiny_args, problems_file, tmp_path):
     runs and fails; the report and the resumable JSONL are still complete."""
     from click.testing import CliRunner
 
-    from cactus_edge.cli import main
+    from cactus_edge.cli.main import main
 
     out = tmp_path / "he.jsonl"
     args = [

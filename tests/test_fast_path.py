@@ -6,8 +6,9 @@ implementations they replaced, patched back in."""
 import numpy as np
 import pytest
 
-from cactus_edge import acceptance, backend, sampling
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.llama import model as backend
+from cactus_edge.rules import acceptance, sampling
 
 PROMPT = "the water is hot and the water is hot and"
 

@@ -15,11 +15,9 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from cactus_edge import fetch
-from cactus_edge.cli import main
-from cactus_edge.errors import FetchError, IntegrityError, InvalidSettingError, PinMismatchError
-from cactus_edge.fetch import fetch_model, verify_model
-from cactus_edge.registry import (
+from cactus_edge.catalog import fetch
+from cactus_edge.catalog.fetch import fetch_model, verify_model
+from cactus_edge.catalog.registry import (
     HuggingFaceSource,
     ModelSpec,
     PypiSource,
@@ -28,6 +26,8 @@ from cactus_edge.registry import (
     read_local_registry,
     resolve_model_path,
 )
+from cactus_edge.cli.main import main
+from cactus_edge.errors import FetchError, IntegrityError, InvalidSettingError, PinMismatchError
 
 CHUNKS = [b"GGUF" + bytes(range(256)) * 40, bytes(range(255, -1, -1)) * 33, b"tail" * 999]
 

@@ -3,7 +3,7 @@ import shutil
 import pytest
 
 from cactus_edge.errors import IncompatiblePairError, InvalidModelFileError, ModelNotFoundError
-from cactus_edge.gguf_info import check_pair_compatible, read_gguf
+from cactus_edge.llama.gguf import check_pair_compatible, read_gguf
 
 from .tiny_gguf import spm_vocab, write_tiny_llama
 

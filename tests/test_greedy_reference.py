@@ -31,9 +31,9 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from cactus_edge.adaptive import CostModel
-from cactus_edge.backend import _COMPUTE
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.llama.model import _COMPUTE
+from cactus_edge.rules.draft_length import CostModel
 
 # In logits: 2.5 times the largest difference a verify batch made on the tiny target (4.05e-3).
 TIE_TOLERANCE = 1e-2

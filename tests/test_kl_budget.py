@@ -6,10 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from cactus_edge.acceptance import Cactus, KLBudgetRule, TypicalAcceptance, output_distribution, output_kl
-from cactus_edge.engine import GenerationConfig
+from cactus_edge.engine.engine import GenerationConfig
 from cactus_edge.errors import InvalidSettingError
-from cactus_edge.sampling import to_dense
+from cactus_edge.rules.acceptance import (
+    Cactus,
+    KLBudgetRule,
+    TypicalAcceptance,
+    output_distribution,
+    output_kl,
+)
+from cactus_edge.rules.sampling import to_dense
 
 from .test_acceptance import ALPHA, N_TRIALS, chi_square_pvalue, emitted_first_tokens, random_pair
 
@@ -76,7 +82,7 @@ def test_the_cli_and_the_openai_layer_take_the_budget(tiny_args):
 
     from click.testing import CliRunner
 
-    from cactus_edge.cli import main
+    from cactus_edge.cli.main import main
     from cactus_edge.openai_api import parse_request
 
     args = ["generate", "hi", *tiny_args, "--kl-budget", "0.5", "--n-draft", "4", "--json", "--seed", "1"]
@@ -114,8 +120,8 @@ def test_top_p_without_top_k_is_judged_by_the_lossy_rule_within_its_budget(engin
 def test_an_unmeasurable_position_is_judged_by_sps_without_ending_the_budget():
     """A dense row (or one wider than MAX_KL_SUPPORT) costs too much to measure: that position
     is judged by SpS and spends nothing, and the next measurable position is lossy again."""
-    from cactus_edge.acceptance import MAX_KL_SUPPORT, kl_is_measurable
-    from cactus_edge.sampling import SparseProbs
+    from cactus_edge.rules.acceptance import MAX_KL_SUPPORT, kl_is_measurable
+    from cactus_edge.rules.sampling import SparseProbs
 
     draft_row, target_row = random_pair(np.random.default_rng(3), sparse=True, vocab_size=12)
     dense_draft = to_dense(draft_row)
@@ -139,7 +145,7 @@ def test_an_unmeasurable_position_is_judged_by_sps_without_ending_the_budget():
     rule.verify(np.array([first, token]), [same_as_target, draft_row], [target_row] * 3, rng)
     assert rule.position_kls == (0.0, pytest.approx(output_kl(Cactus(1.0), draft_row, target_row)))
     assert rule.spent == pytest.approx(spent_before + rule.position_kls[1])
-    from cactus_edge.acceptance import step_kl
+    from cactus_edge.rules.acceptance import step_kl
 
     assert step_kl(Cactus(1.0), [dense_draft], [target_row], 1) is None  # unmeasured, not slow
     assert step_kl(Cactus(1.0), [draft_row], [target_row], 1) > 0

@@ -9,8 +9,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cactus_edge"
 
 ROOT = PACKAGE.parent
 # Front ends and the OpenAI layer sit above the engine: it must import none of them, in any form.
-ABOVE_THE_ENGINE = ("cactus_edge.openai_compat", "cactus_edge.openai_api", "cactus_edge.server",
-                    "cactus_edge.cli", "cactus_edge.tui")  # fmt: skip
+ABOVE_THE_ENGINE = ("cactus_edge.openai_api", "cactus_edge.server", "cactus_edge.cli", "cactus_edge.tui")
+# The package's layers, bottom to top: a module imports only its own layer and the ones below it.
+# The modules at the top of the package (errors, checks, files...) are the base every layer uses.
+LAYERS = ("rules", "constraints", "llama", "catalog", "engine", "openai_api", "server", "tui", "cli")
 
 
 def _modules() -> dict[str, Path]:
@@ -51,14 +53,14 @@ def test_only_the_backend_imports_llama_cpp():
         name for name, path in modules.items()
         if any(m == "llama_cpp" or m.startswith("llama_cpp.") for m in _imports(name, path))
     )  # fmt: skip
-    assert importers == ["cactus_edge.backend"]
+    assert importers == ["cactus_edge.llama.model"]
 
 
 def test_the_engine_imports_nothing_above_it():
     """Neither the engine nor anything it imports, directly or not, reaches the OpenAI layer,
     the server, the CLI or the TUI."""
     modules = _modules()
-    seen, todo = set(), ["cactus_edge.engine"]
+    seen, todo = set(), ["cactus_edge.engine.engine"]
     while todo:
         name = todo.pop()
         if name in seen or name not in modules:
@@ -72,7 +74,8 @@ def test_the_engine_imports_nothing_above_it():
 def test_rules_and_sampling_load_without_llama_cpp():
     code = (
         "import sys; sys.modules['llama_cpp'] = None\n"
-        "from cactus_edge.acceptance import Cactus\nfrom cactus_edge.sampling import process_logits\n"
+        "from cactus_edge.rules.acceptance import Cactus\n"
+        "from cactus_edge.rules.sampling import process_logits\n"
         "from cactus_edge import SpeculativeSampling\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -89,26 +92,69 @@ def test_configs_stats_and_front_ends_load_without_llama_cpp():
     model library: an app can build requests and read results before (or without) loading one."""
     code = (
         "import sys\n"
-        "import cactus_edge.config, cactus_edge.stats, cactus_edge.openai_api, cactus_edge.tui.app\n"
-        "import cactus_edge.drafters, cactus_edge.bench, cactus_edge.cli\n"
+        "import cactus_edge.engine.config, cactus_edge.engine.stats, cactus_edge.openai_api\n"
+        "import cactus_edge.tui.app\n"
+        "import cactus_edge.engine.drafters, cactus_edge.cli.bench, cactus_edge.cli.main\n"
         "import cactus_edge.server, cactus_edge.server.app, cactus_edge.server.runner\n"
-        "heavy = ('llama_cpp', 'cactus_edge.engine', 'cactus_edge.backend')\n"
+        "heavy = ('llama_cpp', 'cactus_edge.engine.engine', 'cactus_edge.llama.model')\n"
         "loaded = [m for m in heavy if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_engine_functions_and_classes_stay_small():
-    """The structure the next contributor can change: no engine function over 60 lines, no class
-    over 150."""
+def _layer(name: str) -> int:
+    """The rank of a module's layer: -1 for the base modules at the top of the package."""
+    parts = name.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 or parts[1] in LAYERS else -1
+
+
+def _reached(name: str, modules: dict[str, Path]) -> set[str]:
+    """Every package module ``name`` imports, directly or through others (the package's
+    ``__init__`` facade excluded: it names the public API lazily)."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in modules or current == "cactus_edge":
+            continue
+        seen.add(current)
+        todo.extend(_imports(current, modules[current]))
+    return seen - {name}
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    modules = _modules()
+    breaches = []
+    for name in sorted(modules):
+        if name == "cactus_edge":
+            continue
+        above = sorted(m for m in _reached(name, modules) if _layer(m) > _layer(name))
+        breaches += [f"{name} reaches {m}" for m in above]
+    assert not breaches, "\n".join(breaches)
+
+
+def test_every_module_belongs_to_a_layer_or_the_base():
+    """A new folder is a new layer: it must be placed in LAYERS (and in docs/development.md)."""
+    folders = {name.split(".")[1] for name in _modules() if name.count(".") >= 2}
+    assert folders <= set(LAYERS), folders - set(LAYERS)
+
+
+def test_the_layer_rule_catches_an_upward_import(tmp_path):
+    """The check itself: a rules module that imported the engine would be reported."""
+    modules = _modules()
+    fake = tmp_path / "bad.py"
+    fake.write_text("from ..engine.config import GenerationConfig\n")
+    modules["cactus_edge.rules.bad"] = fake
+    reached = _reached("cactus_edge.rules.bad", modules)
+    assert any(_layer(m) > _layer("cactus_edge.rules.bad") for m in reached)
+
+
+def test_engine_functions_stay_small():
+    """No function over 60 lines in the engine's modules: the loop reads one step at a time."""
     import ast
 
-    for name in ("engine.py", "drafters.py"):
-        tree = ast.parse((PACKAGE / name).read_text())
-        for node in ast.walk(tree):
-            length = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+    for path in (PACKAGE / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
-                assert length <= 60, f"{name}: {node.name} has {length} lines"
-            elif isinstance(node, ast.ClassDef):
-                assert length <= 150, f"{name}: class {node.name} has {length} lines"
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{path.name}: {node.name} has {length} lines"

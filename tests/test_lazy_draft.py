@@ -10,9 +10,9 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.cli import main
-from cactus_edge.engine import GenerationConfig
+from cactus_edge.cli.main import main
+from cactus_edge.engine.engine import GenerationConfig
+from cactus_edge.llama.model import LlamaModel
 
 PROMPT = "the water is hot and"
 FIXED = {"method": "sps", "drafter": "model", "n_draft": 3, "temperature": 0.0}

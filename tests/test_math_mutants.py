@@ -11,7 +11,9 @@ import math
 import numpy as np
 import pytest
 
-from cactus_edge.acceptance import (
+from cactus_edge.constraints.penalties import Penalties, apply_bias, apply_penalties, repeat_window
+from cactus_edge.errors import NonFiniteLogitsError
+from cactus_edge.rules.acceptance import (
     MAX_KL_SUPPORT,
     AcceptanceRule,
     Cactus,
@@ -27,9 +29,7 @@ from cactus_edge.acceptance import (
     output_kls,
     step_kl,
 )
-from cactus_edge.errors import NonFiniteLogitsError
-from cactus_edge.penalties import Penalties, apply_bias, apply_penalties, repeat_window
-from cactus_edge.sampling import (
+from cactus_edge.rules.sampling import (
     SamplingConfig,
     SparseProbs,
     fit_logits_to_vocab,
@@ -790,7 +790,7 @@ def test_top_k_by_sorting_breaks_ties_by_the_lower_id():
 
 def test_top_k_by_groups_builds_its_group_offsets_on_an_empty_cache(monkeypatch):
     # The offsets are cached per vocabulary size; another test may have filled the cache first.
-    import cactus_edge.sampling as sampling
+    import cactus_edge.rules.sampling as sampling
 
     monkeypatch.setattr(sampling, "_offsets", {})
     rng = np.random.default_rng(17)

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.events import StreamEvent
+from cactus_edge.engine.stats import GenerationStats
 from cactus_edge.errors import InvalidSettingError, UnsupportedParameterError
-from cactus_edge.events import StreamEvent
 from cactus_edge.openai_api import (
     NEUTRAL_ONLY,
     SETTINGS,
@@ -26,7 +27,6 @@ from cactus_edge.openai_api import (
 )
 from cactus_edge.openai_api.replies import Reply
 from cactus_edge.openai_api.requests import config_for_vocabulary
-from cactus_edge.stats import GenerationStats
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -599,7 +599,7 @@ def test_importing_the_layer_loads_no_llama_cpp_and_no_engine():
     code = (
         "import cactus_edge.openai_api, sys; "
         "assert 'llama_cpp' not in sys.modules, 'llama_cpp loaded'; "
-        "assert 'cactus_edge.engine' not in sys.modules, 'engine loaded'"
+        "assert 'cactus_edge.engine.engine' not in sys.modules, 'engine loaded'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

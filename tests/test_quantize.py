@@ -13,10 +13,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge import backend
-from cactus_edge.backend import LlamaModel
-from cactus_edge.cli import main
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.catalog.quantize import QUANT_TYPES, check_quant_type, quantize
+from cactus_edge.catalog.registry import (
+    QuantizedSource,
+    load_registry,
+    local_registry_file,
+    local_registry_text,
+    resolve_model_path,
+)
+from cactus_edge.cli.main import main
+from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.errors import (
     BackendError,
     InvalidSettingError,
@@ -25,15 +31,9 @@ from cactus_edge.errors import (
     NameTakenError,
 )
 from cactus_edge.files import write_text_atomically
-from cactus_edge.gguf_info import read_gguf
-from cactus_edge.quantize import QUANT_TYPES, check_quant_type, quantize
-from cactus_edge.registry import (
-    QuantizedSource,
-    load_registry,
-    local_registry_file,
-    local_registry_text,
-    resolve_model_path,
-)
+from cactus_edge.llama import model as backend
+from cactus_edge.llama.gguf import read_gguf
+from cactus_edge.llama.model import LlamaModel
 
 # What llama.cpp's quantizer makes of the tiny model's 21 tensors (rows of 64 or 128 values): the 5
 # norm vectors stay F32; the weights take the type, or a fallback where a row is not a whole number
@@ -389,7 +389,7 @@ def test_a_failed_registry_write_keeps_the_old_file(tmp_path, monkeypatch):
 def test_quantize_and_the_cli_import_no_llama_cpp():
     code = (
         "import sys; sys.modules['llama_cpp'] = None\n"
-        "import cactus_edge.quantize, cactus_edge.cli\n"
-        "assert 'cactus_edge.backend' not in sys.modules\n"
+        "import cactus_edge.catalog.quantize, cactus_edge.cli.main\n"
+        "assert 'cactus_edge.llama.model' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,15 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from cactus_edge.errors import (
-    FetchError,
-    LocalRegistryError,
-    ModelNotFetchedError,
-    ModelNotFoundError,
-    UnknownModelError,
-)
-from cactus_edge.fetch import fetch_model
-from cactus_edge.registry import (
+from cactus_edge.catalog.fetch import fetch_model
+from cactus_edge.catalog.registry import (
     HubPin,
     HuggingFaceSource,
     ModelSpec,
@@ -29,6 +22,13 @@ from cactus_edge.registry import (
     read_local_registry,
     record_pin,
     resolve_model_path,
+)
+from cactus_edge.errors import (
+    FetchError,
+    LocalRegistryError,
+    ModelNotFetchedError,
+    ModelNotFoundError,
+    UnknownModelError,
 )
 
 if sys.version_info >= (3, 11):
@@ -284,8 +284,8 @@ def test_the_local_registry_writer_keeps_pins():
 
 
 def test_resolve_pair_is_the_one_rule_for_choosing_models():
+    from cactus_edge.catalog.registry import load_registry, resolve_pair
     from cactus_edge.errors import InvalidSettingError
-    from cactus_edge.registry import load_registry, resolve_pair
 
     default = load_registry().pair("default")
     assert resolve_pair() == resolve_pair("default") == (default.draft, default.target)

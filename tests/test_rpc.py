@@ -24,11 +24,11 @@ import httpx
 import openai
 import pytest
 
-from cactus_edge.backend_rpc import Endpoint, parse_endpoints, rpc_supported
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.errors import InvalidSettingError, RPCUnavailableError, WorkerLostError
+from cactus_edge.llama.rpc import Endpoint, parse_endpoints, rpc_supported
+from cactus_edge.llama.worker import wait_for_worker, worker_command
 from cactus_edge.server import ServerSettings, create_server
-from cactus_edge.worker import wait_for_worker, worker_command
 
 from .conftest import TEST_THREADS
 from .test_engine import assert_same_greedy_tokens
@@ -99,7 +99,7 @@ def rpc_engine(tiny_pair, workers, **settings) -> Engine:
 @pytest.fixture
 def spawns(monkeypatch) -> list[bool]:
     """One entry per model process started (RemoteLlamaModel's child)."""
-    from cactus_edge import remote_model
+    from cactus_edge.llama import remote as remote_model
 
     started, spawn = [], remote_model._ModelProcess.spawn
 
@@ -302,7 +302,7 @@ def test_bad_rpc_settings_name_the_setting(tiny_pair):
 
 
 def test_a_build_without_rpc_says_how_to_rebuild(tiny_pair, monkeypatch):
-    from cactus_edge import backend_rpc
+    from cactus_edge.llama import rpc as backend_rpc
 
     class NoRPC:
         def ggml_backend_reg_by_name(self, name):
@@ -317,7 +317,7 @@ def test_a_build_without_rpc_says_how_to_rebuild(tiny_pair, monkeypatch):
 
 
 def run_cli(*args: str, timeout: float = 4 * WAIT) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "cactus_edge.cli", *args]
+    command = [sys.executable, "-m", "cactus_edge.cli.main", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from cactus_edge.acceptance import (
+from cactus_edge.rules.acceptance import (
     Cactus,
     ExactMatch,
     SpeculativeSampling,
@@ -24,7 +24,7 @@ from cactus_edge.acceptance import (
     output_kl,
     output_kls,
 )
-from cactus_edge.sampling import SparseProbs, sample_token, to_dense
+from cactus_edge.rules.sampling import SparseProbs, sample_token, to_dense
 
 from . import reference_rules as ref
 from .test_acceptance import random_pair

@@ -5,7 +5,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from cactus_edge.errors import NonFiniteLogitsError
-from cactus_edge.sampling import (
+from cactus_edge.rules.sampling import (
     SamplingConfig,
     SparseProbs,
     process_candidates,
@@ -74,7 +74,7 @@ def test_matches_reference(config, vocab_size):
 def test_a_top_p_only_row_is_its_nucleus_as_the_dense_path_computed_it(config):
     """The sparse nucleus holds exactly what the dense top-p path keeps (the old representation):
     the same ids, the same probabilities to float64 rounding."""
-    from cactus_edge import sampling
+    from cactus_edge.rules import sampling
 
     rng = np.random.default_rng(7)
     logits = (rng.standard_normal((4, 151_936)) * 4).astype(np.float32)
@@ -231,7 +231,7 @@ def test_sample_token_follows_the_row():
 @pytest.mark.parametrize("count", [0, 1, 20])
 def test_the_lowest_ids_at_a_tie_are_found_block_by_block(first_tie, count):
     """_first_equal equals listing every tie and keeping the first ones, wherever they start."""
-    from cactus_edge.sampling import _first_equal
+    from cactus_edge.rules.sampling import _first_equal
 
     row = np.arange(151_936, dtype=np.float32)
     row[first_tie::7] = -np.inf

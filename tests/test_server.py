@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.errors import ContextLengthError, InvalidSettingError
 from cactus_edge.openai_api import create_chat_completion
 from cactus_edge.server import Server, ServerApp, ServerSettings, create_server, setting_flags
@@ -658,13 +658,13 @@ def test_unix_socket(tmp_path):
 # --- the command ------------------------------------------------------------------------------------
 
 
-# `cactus-edge serve` as `python -m cactus_edge.cli` runs it, except that a request's generation
+# `cactus-edge serve` as `python -m cactus_edge.cli.main` runs it, except that a request's generation
 # pauses after its first visible text until it is cancelled (or HELD s pass): the tiny model makes
 # hundreds of tokens a second, so unpaced, a 300-token stream could end before SIGTERM arrives.
 HELD = 2 * WAIT
 HELD_SERVE = f"""
 import runpy
-from cactus_edge.engine import Engine
+from cactus_edge.engine.engine import Engine
 
 stream = Engine.stream
 
@@ -686,7 +686,7 @@ def held(self, prompt, config=None, *, cancel=None, timeout=None):
 
 
 Engine.stream = held
-runpy.run_module("cactus_edge.cli", run_name="__main__", alter_sys=True)
+runpy.run_module("cactus_edge.cli.main", run_name="__main__", alter_sys=True)
 """
 
 
@@ -754,7 +754,7 @@ def test_run_warms_the_engine_up_before_announcing():
 def test_serve_help_lists_the_flags():
     from click.testing import CliRunner
 
-    from cactus_edge.cli import main
+    from cactus_edge.cli.main import main
 
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
@@ -771,7 +771,7 @@ def serve_settings(monkeypatch, *args: str) -> tuple[ServerSettings | None, str]
     """(the ServerSettings `cactus-edge serve ARGS` would run with, its stderr); nothing runs."""
     from click.testing import CliRunner
 
-    from cactus_edge.cli import main
+    from cactus_edge.cli.main import main
 
     seen = {}
     monkeypatch.setattr("cactus_edge.server.run", lambda load, settings, announce: seen.update(s=settings))

@@ -27,11 +27,11 @@ import numpy as np
 import openai
 import pytest
 
-from cactus_edge.backend_rpc import Endpoint, rpc_supported
-from cactus_edge.engine import Engine
+from cactus_edge.engine.engine import Engine
 from cactus_edge.errors import WorkerLostError
+from cactus_edge.llama.rpc import Endpoint, rpc_supported
+from cactus_edge.llama.worker import wait_for_worker, worker_command
 from cactus_edge.server import ServerSettings, create_server
-from cactus_edge.worker import wait_for_worker, worker_command
 
 from .test_server import CHAT, GREEDY, MESSAGES, MODEL, WAIT, chat_body, wait_until
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.backend import LlamaModel
-from cactus_edge.cli import main
-from cactus_edge.engine import Engine, GenerationConfig
+from cactus_edge.cli.main import main
+from cactus_edge.engine.engine import Engine, GenerationConfig
+from cactus_edge.llama.model import LlamaModel
 
 pytestmark = pytest.mark.slow
 

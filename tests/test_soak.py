@@ -2,7 +2,7 @@
 
 import pytest
 
-from cactus_edge.engine import Engine
+from cactus_edge.engine.engine import Engine
 
 from .conftest import TEST_THREADS, load_script
 

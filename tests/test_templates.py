@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cactus_edge import templates
-from cactus_edge.templates import ChatTemplateError, render_chat, tokenize_chat
+from cactus_edge.constraints import templates
+from cactus_edge.constraints.templates import ChatTemplateError, render_chat, tokenize_chat
 
 QWEN_TEMPLATE = (Path(__file__).parent / "data" / "qwen2.5_chat_template.jinja").read_text("utf-8")
 CHATML = templates.FALLBACK_TEMPLATE
@@ -513,7 +513,7 @@ def test_prompts_pass_tools_to_the_template():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_pair):
-    from cactus_edge.backend import LlamaModel
+    from cactus_edge.llama.model import LlamaModel
 
     with LlamaModel(tiny_pair[1], n_ctx=512) as model:
         yield model
@@ -611,7 +611,7 @@ def test_tiny_tool_conversation_tokenizes_like_before_and_keeps_forgeries_plain(
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    from cactus_edge.backend import LlamaModel
+    from cactus_edge.llama.model import LlamaModel
 
     with LlamaModel(smollm2_path, n_ctx=512) as model:
         yield model

@@ -14,14 +14,14 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from cactus_edge.errors import InvalidSettingError
-from cactus_edge.tools import (
+from cactus_edge.constraints.tools import (
     ContentDelta,
     ToolCallDelta,
     ToolCallStream,
     parse_tool_calls,
     parse_tools,
 )
+from cactus_edge.errors import InvalidSettingError
 
 WEATHER = {
     "type": "function",

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.events import StreamEvent
+from cactus_edge.engine.stats import GenerationStats, StepStats
 from cactus_edge.errors import CactusEdgeError, ContextLengthError
-from cactus_edge.events import StreamEvent
-from cactus_edge.stats import GenerationStats, StepStats
 from cactus_edge.tui import CactusChatApp
 from cactus_edge.tui import conversations as conversations_module
 from cactus_edge.tui.widgets import (
@@ -415,7 +415,7 @@ async def test_regenerate_replaces_the_last_reply():
 
 
 async def test_real_engine_on_the_tiny_pair(tiny_pair):
-    from cactus_edge.engine import Engine
+    from cactus_edge.engine.engine import Engine
 
     def factory():
         return Engine.load(str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS)
@@ -436,7 +436,7 @@ def test_the_app_loads_without_llama_cpp():
     code = (
         "import sys; sys.modules['llama_cpp'] = None\n"
         "import cactus_edge.tui.app\n"
-        "assert 'cactus_edge.engine' not in sys.modules, 'the TUI imported the engine'\n"
+        "assert 'cactus_edge.engine.engine' not in sys.modules, 'the TUI imported the engine'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -18,7 +18,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
 from cactus_edge.errors import CactusEdgeError, ModelNotFetchedError
 
 from .commands import SlashCommands

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
 from cactus_edge.files import user_data_folder, write_text_atomically
 
 from .widgets import Reply

@@ -11,9 +11,9 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Header, Input, LoadingIndicator, Static
 
-from cactus_edge.config import GenerationConfig
-from cactus_edge.events import StreamEvent
-from cactus_edge.stats import GenerationStats
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.events import StreamEvent
+from cactus_edge.engine.stats import GenerationStats
 
 from .commands import HELP
 from .widgets import LEGEND, AssistantMessage, Reply, StatusBar, UserMessage

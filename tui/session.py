@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from textual.message import Message
 
-from cactus_edge.config import GenerationConfig
+from cactus_edge.engine.config import GenerationConfig
+from cactus_edge.engine.events import StreamEvent
+from cactus_edge.engine.stats import GenerationStats
 from cactus_edge.errors import ContextLengthError
-from cactus_edge.events import StreamEvent
-from cactus_edge.stats import GenerationStats
 
 from .conversations import Transcript
 from .widgets import AssistantMessage, Reply

@@ -16,7 +16,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Markdown, Static
 
-from cactus_edge.config import DEFAULT_DRAFTER
+from cactus_edge.engine.config import DEFAULT_DRAFTER
 
 # Accepted draft tokens are underlined in the accent colour; target tokens stay plain. One colour
 # and an underline stay readable on light and dark themes and without colour at all.

@@ -9,15 +9,15 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..config import GenerationConfig
+from ..engine.config import GenerationConfig
+from ..engine.events import StreamEvent
 from ..errors import CactusEdgeError, InvalidSettingError
-from ..events import StreamEvent
 from .replies import Reply
 from .requests import SPECULATIVE_KEYS, chat_messages, config_for_vocabulary, parse_request, with_openai_param
 from .shapes import MODEL_ALIAS, ResponseShape, Timeline, response_blocks
 
 if TYPE_CHECKING:  # only for annotations: importing .engine would load llama.cpp
-    from ..engine import Engine
+    from ..engine.engine import Engine
 
 
 def create_chat_completion(

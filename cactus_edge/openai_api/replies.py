@@ -1,14 +1,14 @@
 """One response assembled from the engine's events, for the server and the facade alike: its text,
-its tool calls (parsed from the text, :mod:`cactus_edge.tools`) and its logprobs, as a whole body
+its tool calls (parsed from the text, :mod:`cactus_edge.constraints.tools`) and its logprobs, as a whole body
 (:meth:`Reply.complete`) or as stream chunks (:meth:`Reply.add`, then :meth:`Reply.finish`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..events import StreamEvent
-from ..logprobs import TokenLogprob
-from ..tools import ContentDelta, ToolSetup, parse_tool_calls
+from ..constraints.tools import ContentDelta, ToolSetup, parse_tool_calls
+from ..engine.events import StreamEvent
+from ..rules.logprobs import TokenLogprob
 from .shapes import ResponseShape, openai_finish
 
 

@@ -1,5 +1,5 @@
 """OpenAI request bodies read into what the engine takes: a
-:class:`~cactus_edge.config.GenerationConfig`, chat messages or a completions prompt.
+:class:`~cactus_edge.engine.config.GenerationConfig`, chat messages or a completions prompt.
 
 How each request field is treated:
 
@@ -9,7 +9,7 @@ How each request field is treated:
   ``frequency_penalty``, ``logit_bias``, ``logprobs`` (chat: a boolean; completions: a count,
   0–5) and ``top_logprobs``, ``response_format`` (``text``, ``json_object`` with an optional
   ``schema`` as llama-cpp-python takes it, ``json_schema``), ``tools`` / ``tool_choice`` /
-  ``parallel_tool_calls`` (:mod:`cactus_edge.tools`), llama-cpp-python's ``repeat_penalty`` and
+  ``parallel_tool_calls`` (:mod:`cactus_edge.constraints.tools`), llama-cpp-python's ``repeat_penalty`` and
   llama-server's ``repeat_last_n``, our ``grammar`` (Lark, llguidance's syntax) and ``regex``,
   and our extension ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min",
   "kl_budget", "posterior_threshold", "posterior_alpha"}``.
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import is_int
-from ..config import MAX_LOGIT_BIAS, GenerationConfig
+from ..constraints.tools import ToolSetup, parse_tools
+from ..engine.config import MAX_LOGIT_BIAS, GenerationConfig
 from ..errors import InvalidSettingError, UnsupportedParameterError
-from ..tools import ToolSetup, parse_tools
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 

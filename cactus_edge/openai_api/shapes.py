@@ -10,8 +10,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ..config import GenerationConfig
-from ..stats import FinishReason, GenerationStats
+from ..engine.config import GenerationConfig
+from ..engine.stats import FinishReason, GenerationStats
 
 MODEL_ALIAS = "cactus-edge"  # the model id when none is named; a server accepts it whatever it serves
 

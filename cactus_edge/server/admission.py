@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Mapping
 
-from ..config import GenerationConfig
+from ..engine.config import GenerationConfig
 from ..errors import CactusEdgeError
 from ..openai_api import ParsedRequest, ResponseShape
 from ..openai_api.replies import Reply

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from ..stats import GenerationStats
+from ..engine.stats import GenerationStats
 
 KL_BUCKETS = (0.0, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0)
 

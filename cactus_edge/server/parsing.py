@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..config import GenerationConfig
+from ..engine.config import GenerationConfig
 from ..errors import BackendError, CactusEdgeError, EngineClosedError, InvalidSettingError
 from ..openai_api import chat_messages, completion_prompt, parse_request
 from .errors import HTTPError, from_library_error

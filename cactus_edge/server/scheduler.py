@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
-from ..config import GenerationConfig
+from ..engine.config import GenerationConfig
 from ..errors import CactusEdgeError
 from .errors import QueueFull, ShuttingDown
 from .metrics import Metrics

@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..config import GenerationConfig
+from ..engine.config import GenerationConfig
 from ..errors import InvalidSettingError
 from ..openai_api import MODEL_ALIAS  # the id every server accepts, whatever it serves
 

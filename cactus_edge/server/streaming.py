@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from ..events import StreamEvent
+from ..engine.events import StreamEvent
 from ..openai_api import Timeline, response_blocks
 from ..openai_api.replies import Reply
 from .errors import HTTPError, from_library_error

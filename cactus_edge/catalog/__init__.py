@@ -1,0 +1,1 @@
+"""The model catalog: the registry, fetching, quantizing."""

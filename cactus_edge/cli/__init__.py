@@ -1,0 +1,1 @@
+"""The command line: flags parsed with click, then calls into the library."""

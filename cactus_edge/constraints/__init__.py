@@ -1,0 +1,1 @@
+"""What shapes a logits row: grammars, penalties, tool calls, chat templates."""
