@@ -44,7 +44,7 @@ from script_args import (
     wait_ready,
 )
 
-from cactus_edge.catalog.registry import resolve_model_path
+from cactus_edge.catalog.resolve import resolve_model_path
 
 CATEGORIES = ("mixed", "code-editing", "conversations")
 

@@ -24,8 +24,8 @@ from cactus_edge.catalog.registry import (
     load_registry,
     local_registry_file,
     read_local_registry,
-    resolve_model_path,
 )
+from cactus_edge.catalog.resolve import resolve_model_path
 from cactus_edge.cli.main import main
 from cactus_edge.errors import FetchError, IntegrityError, InvalidSettingError, PinMismatchError
 

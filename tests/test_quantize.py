@@ -19,8 +19,8 @@ from cactus_edge.catalog.registry import (
     load_registry,
     local_registry_file,
     local_registry_text,
-    resolve_model_path,
 )
+from cactus_edge.catalog.resolve import resolve_model_path
 from cactus_edge.cli.main import main
 from cactus_edge.engine.engine import Engine, GenerationConfig
 from cactus_edge.errors import (

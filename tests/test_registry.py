@@ -21,8 +21,8 @@ from cactus_edge.catalog.registry import (
     parse_registry,
     read_local_registry,
     record_pin,
-    resolve_model_path,
 )
+from cactus_edge.catalog.resolve import resolve_model_path
 from cactus_edge.errors import (
     FetchError,
     LocalRegistryError,

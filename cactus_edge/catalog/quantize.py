@@ -37,9 +37,9 @@ from .registry import (
     local_registry_file,
     looks_like_path,
     read_local_registry,
-    resolve_model_path,
     write_local_entry,
 )
+from .resolve import resolve_model_path
 
 # llama.cpp's LLAMA_FTYPE_MOSTLY_* types by their lowercase tail (the names llama-quantize takes).
 QUANT_TYPES = (

@@ -21,8 +21,6 @@ from ..checks import is_int
 from ..errors import (
     InvalidSettingError,
     LocalRegistryError,
-    ModelNotFetchedError,
-    ModelNotFoundError,
     UnknownModelError,
 )
 from ..files import user_data_folder, write_text_atomically
@@ -422,35 +420,3 @@ def default_models_dir() -> Path:
 
 def looks_like_path(name: str) -> bool:
     return name.endswith(".gguf") or os.sep in name or "/" in name or name.startswith(".")
-
-
-def resolve_model_path(
-    name_or_path: str | os.PathLike, registry: Registry | None = None, models_dir: Path | None = None
-) -> Path:
-    """A GGUF path for a registered model name or a file path; never downloads.
-
-    Raises ModelNotFoundError (a path that does not exist), ModelNotFetchedError (a registered
-    model not fetched yet), UnknownModelError, or PinMismatchError (a pinned Hugging Face model's
-    file no longer holds the pinned bytes: see fetch.check_pinned_file).
-    """
-    text = os.fspath(name_or_path)
-    candidate = Path(text).expanduser()
-    if candidate.is_file():
-        return candidate
-    if looks_like_path(text) or candidate.exists():
-        raise ModelNotFoundError(f"model file not found: {text}")
-    spec = (registry or load_registry(models_dir=models_dir)).model(text)
-    path = spec.path(models_dir)
-    if not path.is_file():
-        raise ModelNotFetchedError(f"model {spec.name!r} is not {_how_to_get(spec, path)}")
-    from .fetch import check_pinned_file  # fetch imports this module
-
-    check_pinned_file(spec, path, models_dir or default_models_dir())
-    return path
-
-
-def _how_to_get(spec: ModelSpec, path: Path) -> str:
-    """The end of a "model is not …" message: where its file should be and how to get it."""
-    if isinstance(spec.source, QuantizedSource):
-        return f"made yet (expected {path}); run: {spec.source.remake_command(spec.name)}"
-    return f"fetched yet (expected {path}); run: cactus-edge models fetch {spec.name}"

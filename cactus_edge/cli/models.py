@@ -138,7 +138,7 @@ def models_quantize(name_or_path, quant_type, name, threads, force, verbose) -> 
 @handle_errors
 def models_inspect(path_or_name: str) -> None:
     """Print a GGUF's metadata without loading its weights."""
-    from ..catalog.registry import resolve_model_path
+    from ..catalog.resolve import resolve_model_path
     from ..llama.gguf import read_gguf
 
     info = read_gguf(resolve_model_path(path_or_name))

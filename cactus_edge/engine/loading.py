@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..catalog.registry import resolve_model_path
+from ..catalog.resolve import resolve_model_path
 from ..errors import InvalidSettingError
 from ..llama import DEFAULT_N_CTX
 from ..llama.gguf import check_pair_compatible, read_gguf
