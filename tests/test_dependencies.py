@@ -8,7 +8,7 @@ import pytest
 
 from cactus_edge import dependencies
 from cactus_edge.errors import IncompatibleDependencyError
-from cactus_edge.llama import model as backend
+from cactus_edge.llama import library
 from cactus_edge.llama import rpc as backend_rpc
 
 
@@ -41,7 +41,7 @@ def test_a_uvicorn_without_one_of_them_is_refused_at_import(monkeypatch):
 def test_a_llama_cpp_python_without_its_ggml_module_is_refused_for_rpc(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp._ggml", None)  # import fails as if it were gone
     with pytest.raises(IncompatibleDependencyError, match=r"^llama-cpp-python \S+ has no llama_cpp._ggml"):
-        backend.ggml_library()
+        library.ggml_library()
 
 
 def test_a_libggml_without_a_registry_function_is_refused_by_name(monkeypatch):
@@ -49,7 +49,7 @@ def test_a_libggml_without_a_registry_function_is_refused_by_name(monkeypatch):
         ggml_backend_reg_by_name = staticmethod(lambda name: 0)
 
     monkeypatch.setattr(backend_rpc, "_bound", None)
-    monkeypatch.setattr(backend, "ggml_library", lambda: OldGgml())
+    monkeypatch.setattr(library, "ggml_library", lambda: OldGgml())
     with pytest.raises(IncompatibleDependencyError) as raised:
         backend_rpc.rpc_supported()
     assert "without ggml_backend_reg_get_proc_address" in str(raised.value)

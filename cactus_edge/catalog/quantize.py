@@ -131,9 +131,9 @@ def quantize(
         _check_model_name(job, quant_type, registry, local, models_dir, force)
     if pair is not None:
         _check_pair_name(pair, {job.name for job in jobs}, registry, local, force)
-    from ..llama import model as backend
+    from ..llama.library import set_verbose
 
-    backend.set_verbose(verbose)
+    set_verbose(verbose)
     made = []
     for job in jobs:
         made.append(_quantize_one(job, quant_type, registry, models_dir, n_threads, force))

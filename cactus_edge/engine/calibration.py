@@ -6,12 +6,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ..llama.model import LlamaModel
+from ..llama.model import Model
 from ..rules.draft_length import CALIBRATION_DRAFT_SIZES, CALIBRATION_VERIFY_SIZES, CostModel
 from .cost_cache import MAX_KEPT_CONTEXT, load_costs, save_costs, still_holds
 
 
-def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, filler: int) -> None:
+def calibrate(costs: CostModel, target: Model, draft: Model | None, filler: int) -> None:
     """Measure what `auto` needs before its first choice, once per cost model and model: the
     target's cost of each verify batch size and the draft's of short batches
     (:func:`measure_batch_costs`). Learning only the sizes it happens to use, `auto` missed cheap
@@ -30,7 +30,7 @@ def calibrate(costs: CostModel, target: LlamaModel, draft: LlamaModel | None, fi
                 record(n_tokens, ms)
 
 
-def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> tuple[dict[int, float], bool]:
+def _batch_costs(model: Model, sizes: Sequence[int], filler: int) -> tuple[dict[int, float], bool]:
     """(costs by batch size, whether kept): the table kept for this model (cost_cache), if one
     fresh decode of a single token still costs what it says; else freshly measured costs, kept
     when every size fitted and the context was short (attention grows with it: a table taken
@@ -48,7 +48,7 @@ def _batch_costs(model: LlamaModel, sizes: Sequence[int], filler: int) -> tuple[
     return measured, False
 
 
-def measure_engine_costs(target: LlamaModel, draft: LlamaModel | None, sizes, repeats: int) -> dict:
+def measure_engine_costs(target: Model, draft: Model | None, sizes, repeats: int) -> dict:
     """{"verify_ms": {n: ms}, "draft_ms": one draft token's ms or None}, medians of ``repeats``."""
     filler = target.tokens[-1] if target.tokens else max(target.bos_token, 0)
     draft_ms = draft and measure_batch_costs(draft, [1], filler, repeats).get(1)
@@ -56,7 +56,7 @@ def measure_engine_costs(target: LlamaModel, draft: LlamaModel | None, sizes, re
 
 
 def measure_batch_costs(
-    model: LlamaModel, sizes: Sequence[int], filler: int, repeats: int = 1
+    model: Model, sizes: Sequence[int], filler: int, repeats: int = 1
 ) -> dict[int, float]:
     """This machine's cost of a batch, by size: the median ms inside llama_decode of ``repeats``
     decodes of ``filler`` × n at the end of the cache (logits for every row, as a verify), cut

@@ -36,7 +36,7 @@ from ..constraints.grammar import CompiledGrammars
 from ..constraints.shaper import LogitShaper
 from ..constraints.templates import Prompts
 from ..errors import ContextLengthError, InvalidSettingError
-from ..llama.model import LlamaModel
+from ..llama.model import Model
 from ..rules.draft_length import CostModel
 from .calibration import measure_engine_costs
 from .config import GenerationConfig
@@ -51,14 +51,14 @@ __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", 
 
 class Engine:
     """A target model and optionally a draft model, and the speculative decoding loop over them.
-    Build one from loaded :class:`LlamaModel` objects (tests inject their own), or with :meth:`load`
-    / :meth:`from_pair`, which resolve names and check the pair first (:func:`load_models`)."""
+    Build one from loaded models (tests inject their own), or with :meth:`load` / :meth:`from_pair`,
+    which resolve names and check the pair first (:func:`load_models`)."""
 
-    def __init__(self, target: LlamaModel, draft: LlamaModel | None = None) -> None:
+    def __init__(self, target: Model, draft: Model | None = None) -> None:
         if draft is not None and draft.vocab_size < target.vocab_size:
             draft.foreign_tokens = ForeignTokens(draft, target)
-        if not isinstance(target, LlamaModel) or not isinstance(draft, (LlamaModel, type(None))):
-            raise TypeError("Engine(target, draft) takes loaded LlamaModels; use Engine.load(draft, target)")
+        if not isinstance(target, Model) or not isinstance(draft, (Model, type(None))):
+            raise TypeError("Engine(target, draft) takes loaded models; use Engine.load(draft, target)")
         self.target, self.draft = target, draft
         self.prompts = Prompts(target)
         self._guard = Guard()
@@ -112,7 +112,7 @@ class Engine:
         return self._life.closing.is_set()
 
     @property
-    def models(self) -> list[LlamaModel]:
+    def models(self) -> list[Model]:
         """Both models, also a draft a generation does not use: no cache may keep another text
         than the running generation's."""
         return [model for model in (self.target, self.draft) if model is not None]

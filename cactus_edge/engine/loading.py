@@ -10,7 +10,8 @@ from ..catalog.resolve import resolve_model_path
 from ..errors import InvalidSettingError
 from ..llama import DEFAULT_N_CTX
 from ..llama.gguf import check_pair_compatible, read_gguf
-from ..llama.model import LlamaModel, set_verbose
+from ..llama.library import set_verbose
+from ..llama.model import LlamaModel, Model
 
 
 class ForeignTokens(dict):
@@ -18,7 +19,7 @@ class ForeignTokens(dict):
     the draft as the first draft token of the same text: the draft's cache keeps one position per
     committed token, and its drafts only need to be good, not exact (SpS stays lossless)."""
 
-    def __init__(self, draft: LlamaModel, target: LlamaModel) -> None:
+    def __init__(self, draft: Model, target: Model) -> None:
         super().__init__()
         self.draft, self.target = draft, target
 
@@ -40,7 +41,7 @@ def load_models(
     rpc_servers: str | Sequence[str] | None = None,
     tensor_split: Sequence[float] = (),
     rpc_timeout: float | None = None,
-) -> tuple[LlamaModel, LlamaModel | None]:
+) -> tuple[Model, Model | None]:
     """(target, draft) loaded from paths or registered names. The pair is checked to share a
     tokenizer before any weights are loaded; a failure frees whatever was loaded.
 
@@ -72,7 +73,7 @@ def load_models(
     return target_model, draft_model
 
 
-def _remote_target(path, info, settings, rpc_servers, tensor_split, timeout, verbose) -> LlamaModel:
+def _remote_target(path, info, settings, rpc_servers, tensor_split, timeout, verbose) -> Model:
     from ..llama.remote import DEFAULT_RPC_TIMEOUT, RemoteLlamaModel
 
     return RemoteLlamaModel(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import platform
 import queue
@@ -26,11 +25,9 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from ..dependencies import incompatible
 from ..errors import (
     BackendError,
     ContextLengthError,
-    InvalidTextError,
     NonFiniteLogitsError,
     UnsupportedModelError,
 )
@@ -38,41 +35,8 @@ from ..machine import cpu_model_name, usable_cpus
 from ..rules.sampling import first_non_finite_row
 from . import DEFAULT_N_CTX
 from .gguf import GGUFInfo, read_gguf
-
-logger = logging.getLogger("cactus_edge.llama")
-
-_LEVELS = {1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.DEBUG}
-_verbose = False
-_last_level = logging.DEBUG
-_init_lock = threading.Lock()
-_initialised = False
-
-
-@llama_cpp.llama_log_callback
-def _log_callback(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    # llama.cpp prints a lot while loading; keep it silent unless verbose (level 5 = continuation).
-    global _last_level
-    log_level = _LEVELS.get(level, _last_level)
-    _last_level = log_level
-    if _verbose:
-        os.write(2, text)
-    elif log_level >= logging.ERROR:
-        logger.debug(text.decode("utf-8", errors="replace").rstrip())
-
-
-def set_verbose(verbose: bool) -> None:
-    """Let llama.cpp's own log through to stderr (``--verbose``) or keep it silent."""
-    global _verbose
-    _verbose = verbose
-
-
-def ensure_backend() -> None:
-    global _initialised
-    with _init_lock:
-        if not _initialised:
-            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
-            llama_cpp.llama_backend_init()
-            _initialised = True
+from .library import ensure_backend
+from .vocabulary import Vocabulary, file_identity
 
 
 def _decode_and_wait(ctx, batch) -> int:
@@ -187,29 +151,127 @@ def physical_cores() -> int:
     return logical
 
 
-def encode_text(text: str, param: str = "prompt") -> bytes:
-    """UTF-8 bytes of ``text``; a lone surrogate (not Unicode, so not encodable) is a setting error
-    naming ``param``, never an internal one."""
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidTextError(
-            f"{param} is not valid Unicode: a lone surrogate {text[error.start]!r} at character "
-            f"{error.start}",
-            param=param,
-        ) from None
+class Model:
+    """What the engine needs of any model: its file, its vocabulary (:class:`Vocabulary`, composed,
+    never inherited) and the mirror of its KV cache, ``tokens``, position by position.
+    :class:`LlamaModel` runs here; ``remote.RemoteLlamaModel`` runs on RPC workers. A subclass
+    provides decode, truncate, cache_range, sync_cache, reset, close, closed, and n_ctx, n_batch,
+    n_threads, n_gpu_layers.
+
+    ``foreign_tokens`` (optional) maps ids past this vocabulary to the id decoded in their place,
+    for a draft whose vocabulary is smaller than its target's; the mirror keeps the original id.
+    """
+
+    def __init__(self, path: Path, info: GGUFInfo, vocabulary: Vocabulary) -> None:
+        self.path, self.info, self.vocabulary = path, info, vocabulary
+        self.file_identity = file_identity(path)  # as loaded: a replacement is another file
+        self.vocab_size = vocabulary.vocab_size
+        self.tokens: list[int] = []
+        self.foreign_tokens: dict[int, int] | None = None
+        self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
+
+    def cost_identity(self) -> dict | None:
+        """What this model's batch costs depend on: the file as it was loaded, the threads, GPU
+        layers and batch size, llama.cpp's build (version and compiled-in CPU features) and the
+        CPU (model name, usable cores). Measured costs are kept per identity (cost_cache); None
+        when the file could not be identified."""
+        if self.file_identity is None:
+            return None
+        return {
+            **self.file_identity,
+            "n_threads": self.n_threads,
+            "n_gpu_layers": self.n_gpu_layers,
+            "n_batch": self.n_batch,
+            "llama_cpp": llama_cpp.__version__,
+            "build": llama_cpp.llama_print_system_info().decode(errors="replace"),
+            "cpu": cpu_model_name(),
+            "usable_cpus": usable_cpus(),
+        }
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may be gone
+            self.close()
+
+    # --- the vocabulary ------------------------------------------------------------------------
+
+    @property
+    def bos_token(self) -> int:
+        return self.vocabulary.bos_token
+
+    @property
+    def add_bos(self) -> bool:
+        return self.vocabulary.add_bos
+
+    @property
+    def eos_token(self) -> int:
+        return self.vocabulary.eos_token
+
+    @property
+    def eot_token(self) -> int:
+        return self.vocabulary.eot_token
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.vocabulary.chat_template
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self.vocabulary.n_ctx_train
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return self.vocabulary.is_end_of_generation(token)
+
+    def end_of_generation_tokens(self) -> frozenset[int]:
+        return self.vocabulary.end_of_generation_tokens()
+
+    def grammar_tokenizer(self):
+        return self.vocabulary.grammar_tokenizer()
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        return self.vocabulary.token_bytes(token, special=special)
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return self.vocabulary.detokenize(tokens, special=special)
+
+    # --- the cache mirror ----------------------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def non_finite_error(self, row: int, position: int) -> NonFiniteLogitsError:
+        """The error for non-finite logits in output ``row`` at cache ``position``."""
+        return NonFiniteLogitsError(
+            f"llama.cpp returned non-finite logits (NaN or inf) from {self.path.name} for output "
+            f"row {row} (cache position {position}); the model file or the backend is broken",
+            row=row,
+        )
+
+    def teacher_forced(self, tokens: Sequence[int], output_rows: Sequence[int]) -> np.ndarray:
+        """Logits (len(output_rows), V) of a fixed text: ``tokens`` decoded from an empty cache
+        (in n_batch chunks), which is left empty again. For scoring, not for generating."""
+        self.reset()
+        try:
+            return self.decode(tokens, output_rows=output_rows)
+        finally:
+            self.reset()
 
 
-class LlamaModel:
-    """One GGUF model, one llama.cpp context, one sequence (id 0).
+class LlamaModel(Model):
+    """One GGUF model, one llama.cpp context, one sequence (id 0), on this machine.
 
-    ``tokens`` is what the KV cache holds, position by position; every decode appends to it and
-    :meth:`truncate` cuts it back. ``foreign_tokens`` (optional) maps ids past this vocabulary to
-    the id decoded in their place, for a draft whose vocabulary is smaller than its target's; the
-    mirror keeps the original id.
-
-    Tokenization and detokenization share no buffer with decoding, so other threads may call them
-    while a decode runs. Calls after :meth:`close` raise :class:`BackendError`, never crash.
+    Every decode appends to ``tokens`` and :meth:`truncate` cuts it back. Tokenization and
+    detokenization share no buffer with decoding, so other threads may call them while a decode
+    runs. Calls after :meth:`close` raise :class:`BackendError`, never crash.
     """
 
     def __init__(
@@ -223,37 +285,24 @@ class LlamaModel:
         info: GGUFInfo | None = None,
         placement: DevicePlacement | None = None,
     ) -> None:
-        self.path = Path(path)
-        self.info = info or read_gguf(self.path)  # typed errors for missing / non-GGUF / truncated
-        self._file_identity = _file_identity(self.path)  # as loaded: a replacement is another file
-        trained = self.info.context_length
-        if n_ctx <= 0:
-            n_ctx = trained or DEFAULT_N_CTX
-        if trained and n_ctx > trained:
-            # Refused rather than warned: past its trained window a model degrades silently.
-            raise ContextLengthError(
-                f"n_ctx {n_ctx} exceeds {self.path.name}'s trained context of {trained} tokens; "
-                f"use --n-ctx {trained} or less"
-            )
-        ensure_backend()
-        self._model = None
-        self._ctx = None
-        self._batch = None
-        model_params = llama_cpp.llama_model_default_params()
+        path = Path(path)
+        info = info or read_gguf(path)  # typed errors for missing / non-GGUF / truncated
+        n_ctx = _checked_context(path, info, n_ctx)
+        self._model = self._ctx = self._batch = None
+        self.vocabulary = None
+        self._model = _load_weights(path, n_gpu_layers, placement)
+        super().__init__(path, info, Vocabulary(path, self._model, owns=False))
         self.n_gpu_layers = n_gpu_layers
-        model_params.n_gpu_layers = n_gpu_layers
-        keep_alive = placement.apply(model_params) if placement else ()
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), model_params)
-        del keep_alive  # llama.cpp copies devices and split while loading
-        if not self._model:
-            raise BackendError(f"llama.cpp could not load {self.path} (run with --verbose for details)")
         if llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model):
             self.close()
             raise UnsupportedModelError(
-                f"{self.path.name} has recurrent memory, which cannot be rolled back to a token "
+                f"{path.name} has recurrent memory, which cannot be rolled back to a token "
                 "prefix; speculative decoding needs a transformer (KV-cache) model"
             )
         self.n_threads = n_threads or physical_cores()
+        self._create_context(n_ctx, n_batch)
+
+    def _create_context(self, n_ctx: int, n_batch: int) -> None:
         ctx_params = llama_cpp.llama_context_default_params()
         ctx_params.n_ctx = n_ctx
         # llama.cpp caps its batch at the requested n_ctx but may round the context itself up
@@ -269,49 +318,17 @@ class LlamaModel:
             self.close()
             raise BackendError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
         self._memory_handle = llama_cpp.llama_get_memory(self._ctx)
-        self._vocab_handle = llama_cpp.llama_model_get_vocab(self._model)
         # What llama.cpp allocated, not what was asked: every length check uses these.
         self.n_ctx = llama_cpp.llama_n_ctx(self._ctx)
         self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self._ctx), llama_cpp.llama_n_ubatch(self._ctx))
-        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self._batch_arrays = _BatchArrays(self._batch, self.n_batch)
-        self.tokens: list[int] = []
-        self.foreign_tokens: dict[int, int] | None = None
-        self.last_decode_ms = 0.0  # time inside llama_decode during the last decode() call
-        self._grammar_tokenizer = None
-        self._grammar_lock = threading.Lock()
-        self._end_tokens: frozenset[int] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
-
-    def cost_identity(self) -> dict | None:
-        """What this model's batch costs depend on: the file as it was loaded, the threads, GPU
-        layers and batch size, llama.cpp's build (version and compiled-in CPU features) and the
-        CPU (model name, usable cores). Measured costs are kept per identity (cost_cache); None
-        when the file could not be identified."""
-        if self._file_identity is None:
-            return None
-        return {
-            **self._file_identity,
-            "n_threads": self.n_threads,
-            "n_gpu_layers": self.n_gpu_layers,
-            "n_batch": self.n_batch,
-            "llama_cpp": llama_cpp.__version__,
-            "build": llama_cpp.llama_print_system_info().decode(errors="replace"),
-            "cpu": cpu_model_name(),
-            "usable_cpus": usable_cpus(),
-        }
 
     def _check_open(self) -> None:
         if not self._ctx:
             raise BackendError(f"{self.path.name} is closed")
-
-    @property
-    def _vocab(self):
-        """The vocabulary pointer, refused once closed (it points into the freed model)."""
-        self._check_open()
-        return self._vocab_handle
 
     @property
     def _memory(self):
@@ -323,7 +340,8 @@ class LlamaModel:
         return not self._ctx
 
     def close(self) -> None:
-        self._grammar_tokenizer = None  # it points into the vocabulary freed below
+        if self.vocabulary is not None:
+            self.vocabulary.close()  # first: its grammar tokenizer points into the model freed below
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -334,123 +352,7 @@ class LlamaModel:
             llama_cpp.llama_model_free(self._model)
             self._model = None
 
-    def __enter__(self) -> LlamaModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: llama_cpp may be gone
-            self.close()
-
-    def _load_vocabulary_only(self) -> None:
-        """Load ``self.path``'s vocabulary and metadata, no weights and no context: what a host
-        tokenizes with while the weights live in another process (:mod:`remote_model`)."""
-        ensure_backend()
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = True
-        self._model = llama_cpp.llama_model_load_from_file(os.fsencode(self.path), params)
-        if not self._model:
-            raise BackendError(f"llama.cpp could not read the vocabulary of {self.path}")
-        self._vocab_handle = llama_cpp.llama_model_get_vocab(self._model)
-        self.vocab_size = llama_cpp.llama_vocab_n_tokens(self._vocab_handle)
-
-    # --- vocabulary ----------------------------------------------------------------------------
-
-    @property
-    def bos_token(self) -> int:
-        return llama_cpp.llama_vocab_bos(self._vocab)
-
-    @property
-    def add_bos(self) -> bool:
-        return bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
-
-    @property
-    def eos_token(self) -> int:
-        return llama_cpp.llama_vocab_eos(self._vocab)
-
-    @property
-    def eot_token(self) -> int:
-        return llama_cpp.llama_vocab_eot(self._vocab)
-
-    def is_end_of_generation(self, token: int) -> bool:
-        """EOS, EOT and every other end-of-generation token the GGUF declares."""
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-
-    @property
-    def chat_template(self) -> str | None:
-        self._check_open()
-        template = llama_cpp.llama_model_chat_template(self._model, None)
-        return template.decode("utf-8") if template else None
-
-    @property
-    def n_ctx_train(self) -> int:
-        self._check_open()
-        return llama_cpp.llama_model_n_ctx_train(self._model)
-
-    def end_of_generation_tokens(self) -> frozenset[int]:
-        """Every id llama.cpp counts as end of generation (EOS, EOT, <|im_end|>, …); computed once."""
-        if self._end_tokens is None:
-            vocab = self._vocab
-            self._end_tokens = frozenset(
-                t for t in range(self.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, t)
-            )
-        return self._end_tokens
-
-    def grammar_tokenizer(self):
-        """llguidance's tokenizer over this vocabulary, built on first use (about a second for
-        150k tokens) and kept as long as the model: it calls llama.cpp's tokenizer on this
-        vocabulary, so it must not outlive it. Every end-of-generation id is its end of text."""
-        with self._grammar_lock:
-            if self._grammar_tokenizer is None:
-                from llguidance.llamacpp import lltokenizer_from_vocab
-
-                eog = sorted(self.end_of_generation_tokens()) or [self.eos_token]
-                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=eog)
-            return self._grammar_tokenizer
-
-    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        """Text → token ids. ``add_special`` adds BOS when the GGUF asks for it; ``parse_special``
-        turns control-token text (e.g. ``<|im_start|>``) into its token."""
-        self._check_open()
-        data = encode_text(text)
-        capacity = len(data) + 8
-        buffer = (llama_cpp.llama_token * capacity)()
-        count = llama_cpp.llama_tokenize(
-            self._vocab, data, len(data), buffer, capacity, add_special, parse_special
-        )
-        if count < 0:  # buffer too small: llama.cpp says how many it needs
-            capacity = -count
-            buffer = (llama_cpp.llama_token * capacity)()
-            count = llama_cpp.llama_tokenize(
-                self._vocab, data, len(data), buffer, capacity, add_special, parse_special
-            )
-        if count < 0:
-            raise BackendError(f"tokenization failed for a text of {len(data)} bytes")
-        return list(buffer[:count])
-
-    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The raw bytes of one token (may be part of a UTF-8 character). The buffer is local to
-        the call: ctypes releases the GIL, so a shared one would race between threads."""
-        self._check_open()
-        buffer = ctypes.create_string_buffer(64)
-        length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
-        if length < 0:
-            buffer = ctypes.create_string_buffer(-length)
-            length = llama_cpp.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
-        return buffer.raw[:length]
-
-    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
-        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode(
-            "utf-8", errors="replace"
-        )
-
     # --- decoding ------------------------------------------------------------------------------
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
 
     def decode(
         self, tokens: Sequence[int], output_rows: Sequence[int] = (-1,), *, copy: bool = True
@@ -528,14 +430,6 @@ class LlamaModel:
         if row is not None:
             raise self.non_finite_error(row, positions[row])
 
-    def non_finite_error(self, row: int, position: int) -> NonFiniteLogitsError:
-        """The error for non-finite logits in output ``row`` at cache ``position``."""
-        return NonFiniteLogitsError(
-            f"llama.cpp returned non-finite logits (NaN or inf) from {self.path.name} for output "
-            f"row {row} (cache position {position}); the model file or the backend is broken",
-            row=row,
-        )
-
     def _decode_chunk(self, chunk: Sequence[int], output_rows) -> None:
         """One llama_decode of ``chunk`` at the end of the sequence; ``output_rows`` holds the
         chunk indices that need logits. The batch arrays are filled by numpy, not per token."""
@@ -612,14 +506,32 @@ class LlamaModel:
         llama_cpp.llama_memory_clear(self._memory, True)
         self.tokens.clear()
 
-    def teacher_forced(self, tokens: Sequence[int], output_rows: Sequence[int]) -> np.ndarray:
-        """Logits (len(output_rows), V) of a fixed text: ``tokens`` decoded from an empty cache
-        (in n_batch chunks), which is left empty again. For scoring, not for generating."""
-        self.reset()
-        try:
-            return self.decode(tokens, output_rows=output_rows)
-        finally:
-            self.reset()
+
+def _checked_context(path: Path, info: GGUFInfo, n_ctx: int) -> int:
+    """The context to ask for: the trained length for 0; refused past it (a model degrades
+    silently beyond its trained window)."""
+    trained = info.context_length
+    if n_ctx <= 0:
+        n_ctx = trained or DEFAULT_N_CTX
+    if trained and n_ctx > trained:
+        raise ContextLengthError(
+            f"n_ctx {n_ctx} exceeds {path.name}'s trained context of {trained} tokens; "
+            f"use --n-ctx {trained} or less"
+        )
+    return n_ctx
+
+
+def _load_weights(path: Path, n_gpu_layers: int, placement: DevicePlacement | None):
+    """A ``llama_model*`` with its weights, ``n_gpu_layers`` offloaded, placed as ``placement`` says."""
+    ensure_backend()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.n_gpu_layers = n_gpu_layers
+    keep_alive = placement.apply(model_params) if placement else ()
+    handle = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    del keep_alive  # llama.cpp copies devices and split while loading
+    if not handle:
+        raise BackendError(f"llama.cpp could not load {path} (run with --verbose for details)")
+    return handle
 
 
 @dataclass(frozen=True)
@@ -650,26 +562,6 @@ class DevicePlacement:
             model_params.progress_callback = callback
             alive.append(callback)
         return tuple(alive)
-
-
-def ggml_library():
-    """libggml as llama-cpp-python loaded it (for ggml's backend registry: backend_rpc), from
-    llama-cpp-python's internal ``llama_cpp._ggml`` (checked: IncompatibleDependencyError)."""
-    try:
-        from llama_cpp._ggml import libggml
-    except ImportError as error:
-        raise incompatible("llama-cpp-python", "has no llama_cpp._ggml.libggml", "--rpc") from error
-
-    ensure_backend()
-    return libggml
-
-
-def _file_identity(path: Path) -> dict | None:
-    try:
-        stat = path.stat()
-        return {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    except OSError:
-        return None
 
 
 class _BatchArrays:

@@ -34,22 +34,18 @@ from .. import errors
 from ..errors import BackendError, WorkerLostError
 from . import DEFAULT_N_CTX
 from .gguf import GGUFInfo, read_gguf
-from .model import (
-    DevicePlacement,
-    LlamaModel,
-    _file_identity,
-    physical_cores,
-    set_verbose,
-)
+from .library import set_verbose
+from .model import DevicePlacement, LlamaModel, Model, physical_cores
 from .rpc import parse_endpoints, probe_worker, rpc_registry, target_devices
+from .vocabulary import Vocabulary
 
 DEFAULT_RPC_TIMEOUT = 60.0  # seconds one cache operation may take (a long prefill over a LAN)
 PROBE_TIMEOUT = 3.0  # seconds a worker has to answer the handshake probe
 ALL_LAYERS = 999  # llama.cpp offloads min(n_gpu_layers, n_layer + 1) layers: all of them
 
 
-class RemoteLlamaModel(LlamaModel):
-    """A :class:`LlamaModel` whose weights and KV cache live on RPC workers.
+class RemoteLlamaModel(Model):
+    """A model whose weights and KV cache live on RPC workers.
 
     The vocabulary (tokenize, detokenize, end-of-generation ids, chat template, grammar
     tokenizer) is local; decode, truncate, reset and the cache checks go to the model process.
@@ -73,13 +69,12 @@ class RemoteLlamaModel(LlamaModel):
         info: GGUFInfo | None = None,
         verbose: bool = False,
     ) -> None:
-        self._model = self._ctx = self._batch = None
         self._process: _ModelProcess | None = None
-        self.path = Path(path)
-        self.info = info or read_gguf(self.path)
-        self._file_identity = _file_identity(self.path)
+        path = Path(path)
+        info = info or read_gguf(path)
         self.endpoints = parse_endpoints(rpc_servers)
         rpc_registry()  # a build without RPC fails here, before anything starts
+        super().__init__(path, info, Vocabulary.load(path))
         self.n_threads = n_threads or physical_cores()
         self.n_gpu_layers = n_gpu_layers if n_gpu_layers > 0 else ALL_LAYERS
         self.tensor_split = tuple(float(share) for share in tensor_split)
@@ -91,16 +86,9 @@ class RemoteLlamaModel(LlamaModel):
             "n_batch": n_batch,
         }
         self._verbose = verbose
-        self.tokens: list[int] = []
-        self.foreign_tokens = None
-        self.last_decode_ms = 0.0
-        self._grammar_tokenizer = None
-        self._grammar_lock = threading.Lock()
-        self._end_tokens = None
         self._call_lock = threading.Lock()
         self.n_ctx, self.n_batch = n_ctx, n_batch  # until the model process reports its own
         self.devices: list[str] = []
-        self._load_vocabulary_only()
         try:
             self._start()
         except BaseException:
@@ -110,12 +98,12 @@ class RemoteLlamaModel(LlamaModel):
     # --- lifecycle -----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if not self._model:
+        if self.vocabulary.closed:
             raise BackendError(f"{self.path.name} is closed")
 
     @property
     def closed(self) -> bool:
-        return not self._model
+        return self.vocabulary.closed
 
     @property
     def connected(self) -> bool:
@@ -123,11 +111,11 @@ class RemoteLlamaModel(LlamaModel):
         return self._process is not None
 
     def close(self) -> None:
-        self._grammar_tokenizer = None
         if self._process is not None:
             self._process.stop()
             self._process = None
-        super().close()  # the local vocabulary (no context or batch here)
+        if getattr(self, "vocabulary", None) is not None:  # absent if the vocabulary failed to load
+            self.vocabulary.close()
 
     def cost_identity(self) -> dict | None:
         identity = super().cost_identity()

@@ -127,7 +127,7 @@ def _ggml():
     """libggml as llama-cpp-python loaded it, with the few registry functions we call typed."""
     global _bound
     if _bound is None:
-        from .model import ggml_library
+        from .library import ggml_library
 
         libggml = ggml_library()
         pointer = ctypes.c_void_p
