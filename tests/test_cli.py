@@ -23,7 +23,7 @@ def test_generate_streams_text_and_summarises_on_stderr(runner, tiny_pair):
     result = runner.invoke(main, [*args, "--max-tokens", "12", "--method", "sps"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip()
-    assert result.stderr.startswith("[models] draft tiny-draft.gguf -> target tiny-target.gguf\n")
+    assert result.stderr.startswith("[models] draft tiny-draft.gguf -> target tiny-target.gguf · CPU\n")
     assert result.stderr.splitlines()[1].startswith("[sps] 12 tokens, ")
     assert "tokens/verifier call" in result.stderr and "finish: length" in result.stderr
     # That greedy speculation emits plain greedy's text is tested in test_engine, with a guard for

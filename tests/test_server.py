@@ -229,6 +229,8 @@ def test_stream_order_on_the_wire(http):
 def test_models_and_health(http, server):
     models = http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["meta"]["n_ctx"] == 512
+    meta = models["data"][0]["meta"]
+    assert meta["target_device"] == "CPU" and meta["draft_device"] in ("CPU", None)  # where each runs
     assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert http.get("/health", headers={"Authorization": ""}).json() == {"status": "ok"}
 
@@ -701,7 +703,7 @@ def test_sigterm_mid_stream_exits_0(tiny_pair):
         ready = json.loads(lines.get(timeout=120))
         assert ready["event"] == "listening" and ready["url"] == f"http://127.0.0.1:{ready['port']}"
         assert ready["model"] == "tiny-target"
-        assert ready["models"].endswith("-> target tiny-target.gguf")  # which pair runs
+        assert ready["models"].endswith("-> target tiny-target.gguf · CPU")  # which pair runs, where
         client = StreamingClient(ready["url"], MESSAGES, max_tokens=300, model="tiny-target")
         client.start()
         assert client.first_content.wait(WAIT), (client.status, client.events, client.error)

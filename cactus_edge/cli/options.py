@@ -60,7 +60,7 @@ class ModelChoice:
     target: str | None
     n_ctx: int
     threads: int | None
-    n_gpu_layers: int
+    n_gpu_layers: int | str
     verbose: bool
     rpc: str | None = None
     tensor_split: tuple[float, ...] = ()
@@ -80,7 +80,7 @@ class ModelChoice:
         """Where a faster pair is one command away: the default pair on a CPU (its Q4_K_M files
         verify batches slower than a Q4_0 copy; the quality cost is measured in docs). Said once
         per models folder, which keeps a marker file once it has."""
-        if self.target or self.draft or (self.pair or DEFAULT_PAIR) != DEFAULT_PAIR or self.n_gpu_layers:
+        if self.target or self.draft or (self.pair or DEFAULT_PAIR) != DEFAULT_PAIR or self._on_gpu():
             return ""
         from ..catalog.registry import default_models_dir
 
@@ -92,6 +92,14 @@ class ModelChoice:
             marker.touch()
         command = "cactus-edge models quantize default --type q4_0"
         return f" (on a CPU, `{command}` makes a faster pair: --pair default-q4_0)"
+
+    def _on_gpu(self) -> bool:
+        """Whether the layers go to a GPU (auto asks the llama.cpp build)."""
+        if self.n_gpu_layers == "auto":
+            from ..llama.devices import gpu_offload_supported
+
+            return gpu_offload_supported()
+        return self.n_gpu_layers != 0
 
     def load(self, method: str = defaults.DEFAULT_METHOD, drafter: str = defaults.DEFAULT_DRAFTER):
         """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
@@ -158,10 +166,11 @@ def model_options(command):
         ),
         click.option(
             "--n-gpu-layers",
-            type=click.IntRange(min=-1),
-            default=0,
+            type=GpuLayers(),
+            default="auto",
             show_default=True,
-            help="Layers to offload to Metal/CUDA (-1 = all).",
+            help="Layers on the GPU: auto (all of them when llama.cpp was built with a GPU backend, else "
+            "none), a number, -1 (all) or 0 (the CPU).",
         ),
         click.option("--verbose", is_flag=True, help="Show llama.cpp's own log."),
         click.option(
@@ -208,6 +217,21 @@ def model_options(command):
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
+
+
+class GpuLayers(click.ParamType):
+    name = "INTEGER|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or (isinstance(value, int) and value >= -1):
+            return value
+        try:
+            layers = int(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is neither an integer nor 'auto'", param, ctx)
+        if layers < -1:
+            self.fail(f"{layers} is below -1 (-1: every layer, 0: the CPU)", param, ctx)
+        return layers
 
 
 class DraftLength(click.ParamType):

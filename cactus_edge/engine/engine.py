@@ -121,9 +121,15 @@ class Engine:
     def description(self) -> str:
         """Which models run ("draft A -> target B"), for the first line of a front end."""
         target = Path(str(self.target.path)).name
+        target_device = getattr(self.target, "device", None)
         if self.draft is None:
-            return f"target {target}, no draft model"
-        return f"draft {Path(str(self.draft.path)).name} -> target {target}"
+            return f"target {target}, no draft model" + (f" · {target_device}" if target_device else "")
+        draft_device = getattr(self.draft, "device", None)
+        if draft_device == target_device:
+            where = f" · {target_device}" if target_device else ""
+        else:
+            where = f" · draft on {draft_device}, target on {target_device}"
+        return f"draft {Path(str(self.draft.path)).name} -> target {target}{where}"
 
     @property
     def n_ctx(self) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..catalog.resolve import resolve_model_path
 from ..errors import InvalidSettingError
 from ..llama import DEFAULT_N_CTX
+from ..llama.devices import AUTO, resolve_gpu_layers
 from ..llama.gguf import check_pair_compatible, read_gguf
 from ..llama.library import set_verbose
 from ..llama.model import LlamaModel, Model
@@ -36,7 +37,7 @@ def load_models(
     *,
     n_ctx: int = DEFAULT_N_CTX,
     n_threads: int | None = None,
-    n_gpu_layers: int = 0,
+    n_gpu_layers: int | str = AUTO,
     verbose: bool = False,
     rpc_servers: str | Sequence[str] | None = None,
     tensor_split: Sequence[float] = (),
@@ -55,8 +56,10 @@ def load_models(
     if draft is not None:
         draft_info = read_gguf(resolve_model_path(draft), tokens=True)
         check_pair_compatible(draft_info, target_info)
-    settings = {"n_ctx": n_ctx, "n_threads": n_threads, "n_gpu_layers": n_gpu_layers}
+    layers = resolve_gpu_layers(n_gpu_layers)  # checked before anything loads
+    settings = {"n_ctx": n_ctx, "n_threads": n_threads, "n_gpu_layers": layers}
     if rpc_servers:
+        settings["n_gpu_layers"] = 0 if n_gpu_layers == AUTO else layers  # 0: every layer on the workers
         target_model = _remote_target(
             target_path, target_info, settings, rpc_servers, tensor_split, rpc_timeout, verbose
         )

@@ -34,6 +34,7 @@ from ..errors import (
 from ..machine import cpu_model_name, usable_cpus
 from ..rules.sampling import first_non_finite_row
 from . import DEFAULT_N_CTX
+from .devices import device_label
 from .gguf import GGUFInfo, read_gguf
 from .library import ensure_backend
 from .vocabulary import Vocabulary, file_identity
@@ -293,6 +294,7 @@ class LlamaModel(Model):
         self._model = _load_weights(path, n_gpu_layers, placement)
         super().__init__(path, info, Vocabulary(path, self._model, owns=False))
         self.n_gpu_layers = n_gpu_layers
+        self.device = device_label(n_gpu_layers)  # where the layers run, for people
         if llama_cpp.llama_model_is_recurrent(self._model) or llama_cpp.llama_model_is_hybrid(self._model):
             self.close()
             raise UnsupportedModelError(

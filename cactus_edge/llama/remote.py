@@ -89,6 +89,7 @@ class RemoteLlamaModel(Model):
         self._call_lock = threading.Lock()
         self.n_ctx, self.n_batch = n_ctx, n_batch  # until the model process reports its own
         self.devices: list[str] = []
+        self.device = f"RPC {', '.join(str(endpoint) for endpoint in self.endpoints)}"
         try:
             self._start()
         except BaseException:

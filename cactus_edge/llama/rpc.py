@@ -141,6 +141,7 @@ def _ggml():
             ("ggml_backend_dev_get", [ctypes.c_size_t], pointer),
             ("ggml_backend_dev_type", [pointer], ctypes.c_int),
             ("ggml_backend_dev_name", [pointer], ctypes.c_char_p),
+            ("ggml_backend_dev_description", [pointer], ctypes.c_char_p),
             ("ggml_backend_dev_by_type", [ctypes.c_int], pointer),
         ):
             function = _symbol(libggml, name)
@@ -222,6 +223,13 @@ def worker_devices() -> list[int]:
 
 def device_name(device: int) -> str:
     return _ggml().ggml_backend_dev_name(device).decode(errors="replace")
+
+
+def describe_device(device: int) -> str:
+    """ggml's name and description of a device: "Metal (Apple M2 Max)", "CUDA0 (NVIDIA RTX 4090)"."""
+    description = (_ggml().ggml_backend_dev_description(device) or b"").decode(errors="replace")
+    name = device_name(device)
+    return f"{name} ({description})" if description and description != name else name
 
 
 def serve_rpc(endpoint: Endpoint, cache_dir: str | None, n_threads: int) -> None:

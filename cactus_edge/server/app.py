@@ -184,6 +184,8 @@ def _model_card(settings: ServerSettings, engine, created: int) -> dict:
             "n_ctx": engine.target.n_ctx,
             "target": Path(str(getattr(engine.target, "path", ""))).name or None,
             "draft": Path(str(engine.draft.path)).name if getattr(engine, "draft", None) else None,
+            "target_device": getattr(engine.target, "device", None),
+            "draft_device": getattr(engine.draft, "device", None) if getattr(engine, "draft", None) else None,
             "method": settings.base_config.method,
         }
     return card
