@@ -342,3 +342,35 @@ def test_the_faster_pair_hint_is_said_once_per_models_folder(tmp_path, monkeypat
     assert default.faster_pair_hint() != ""  # another folder: once there too
     own = ModelChoice(None, None, "mine.gguf", n_ctx=512, threads=None, n_gpu_layers=0, verbose=False)
     assert own.faster_pair_hint() == ""  # only the default pair has a faster copy to make
+
+
+def test_a_target_alone_drafts_by_prompt_lookup(runner, tiny_pair):
+    """A user's own model with no draft runs: the default drafter falls back to prompt lookup (no
+    draft model loaded), and says so; --drafter model is refused; --method none stays plain."""
+    target = ["--target", str(tiny_pair[1]), "--n-ctx", "256", "--threads", "1"]
+    prompt = "the water is the water is the water is"
+    result = runner.invoke(main, ["generate", prompt, *target, "--raw", "--max-tokens", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "[models] no draft model: drafting by prompt lookup" in result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["method"] == "cactus" and stats["n_tokens"] >= 1
+    shown = runner.invoke(main, ["generate", prompt, *target, "--raw", "--max-tokens", "4"])
+    assert "[models] target tiny-target.gguf, no draft model · CPU" in shown.stderr
+    refused = runner.invoke(main, ["generate", "hi", *target, "--drafter", "model"])
+    assert refused.exit_code == 2 and "--drafter model needs a draft model" in refused.output
+    plain = runner.invoke(main, ["generate", "hi", *target, "--method", "none", "--max-tokens", "2"])
+    assert plain.exit_code == 0 and "drafting by prompt lookup" not in plain.stderr
+
+
+def test_a_target_alone_gives_chat_and_serve_a_lookup_config(tiny_pair):
+    from cactus_edge.cli.options import ModelChoice
+    from cactus_edge.engine.config import GenerationConfig
+
+    alone = ModelChoice(None, None, str(tiny_pair[1]), n_ctx=256, threads=1, n_gpu_layers=0, verbose=False)
+    assert not alone.has_draft() and alone.fit(GenerationConfig()).drafter == "lookup"
+    with alone.load("cactus", "lookup") as engine:
+        assert engine.draft is None
+        config = alone.fit(GenerationConfig(max_tokens=4, seed=0))
+        assert engine.generate("the water is", config).stats.n_tokens >= 1
+    both = ModelChoice(None, str(tiny_pair[0]), str(tiny_pair[1]), 256, 1, 0, False)
+    assert both.has_draft() and both.fit(GenerationConfig()).drafter == GenerationConfig().drafter

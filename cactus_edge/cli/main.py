@@ -71,7 +71,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
     if prompt == "-":
         prompt = sys.stdin.read()
     one_constraint(flags)
-    config = build_config(**{**flags, "stop": tuple(flags["stop"])})
+    config = model.fit(build_config(**{**flags, "stop": tuple(flags["stop"])}))
     with model.load(config.method, config.drafter) as engine:
         if chat:
             messages = [{"role": "system", "content": system}] if system else []
@@ -132,12 +132,13 @@ def chat(model, system, **flags) -> None:
     """Chat in the terminal, with the acceptance view and live statistics."""
     from ..tui import CactusChatApp
 
-    config = build_config(**flags)
+    config = model.fit(build_config(**flags))
+    drafter = defaults.DEFAULT_DRAFTER if model.has_draft() else "lookup"
 
     def engine_factory():
         # Chat switches methods and drafters between turns (/method, /drafter): load the draft
         # whatever the starting flags say.
-        return model.load(defaults.DEFAULT_METHOD, defaults.DEFAULT_DRAFTER)
+        return model.load(defaults.DEFAULT_METHOD, drafter)
 
     fetch_default = None
     if not (model.draft or model.target):
@@ -342,7 +343,7 @@ def serve(model, system, as_json, **flags) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # One line per new grammar, with its compile time: what a slow first structured request paid.
     logging.getLogger("cactus_edge.constraints.grammar").setLevel(logging.INFO)
-    config = build_config(**flags)
+    config = model.fit(build_config(**flags))
     chosen = {flag.field: flags[flag.field] for flag in setting_flags()}
     chosen["model_name"] = chosen["model_name"] or model.served_name()
     chosen["api_key"] = chosen["api_key"] or None  # an empty $CACTUS_EDGE_API_KEY: no key

@@ -110,7 +110,7 @@ class ModelChoice:
         if not defaults.needs_draft_model(method, drafter):
             draft = None  # plain decoding and prompt lookup never use the draft model
         elif not draft:
-            raise click.UsageError(f"--method {method} needs a draft model (--draft or --pair)")
+            raise click.UsageError(f"--drafter {drafter} needs a draft model: give --draft FILE or --pair")
         return Engine.load(
             draft,
             target,
@@ -122,6 +122,23 @@ class ModelChoice:
             tensor_split=self.tensor_split,
             rpc_timeout=self.rpc_timeout,
         )
+
+    def has_draft(self) -> bool:
+        """Whether this choice names a draft model (a target alone does not)."""
+        from ..catalog.registry import resolve_pair
+
+        return resolve_pair(self.pair, self.draft, self.target)[0] is not None
+
+    def fit(self, config):
+        """``config`` as this choice can run it: with a target alone, the default drafter drafts by
+        prompt lookup, which needs no draft model (said once on stderr); `--drafter model` is
+        refused."""
+        if not config.uses_model or self.has_draft():
+            return config
+        if config.drafter == "model":
+            raise click.UsageError("--drafter model needs a draft model: give --draft FILE or --pair")
+        click.echo("[models] no draft model: drafting by prompt lookup (add one with --draft FILE)", err=True)
+        return config.with_changes(drafter="lookup")
 
     def served_name(self) -> str:
         """The id /v1/models lists: the target file's name without .gguf, or the registry's name."""
