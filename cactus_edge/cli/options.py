@@ -103,10 +103,9 @@ class ModelChoice:
 
     def load(self, method: str = defaults.DEFAULT_METHOD, drafter: str = defaults.DEFAULT_DRAFTER):
         """The Engine for this choice; no draft model when `method`/`drafter` never use one."""
-        from ..catalog.registry import resolve_pair
         from ..engine.engine import Engine
 
-        draft, target = resolve_pair(self.pair, self.draft, self.target)
+        draft, target = self.chosen_models
         if not defaults.needs_draft_model(method, drafter):
             draft = None  # plain decoding and prompt lookup never use the draft model
         elif not draft:
@@ -123,11 +122,31 @@ class ModelChoice:
             rpc_timeout=self.rpc_timeout,
         )
 
-    def has_draft(self) -> bool:
-        """Whether this choice names a draft model (a target alone does not)."""
+    @functools.cached_property
+    def chosen_models(self) -> tuple[str | os.PathLike | None, str]:
+        """(draft, target) to load: a registered pair's, or the ones given, with `--draft auto`
+        resolved to the smallest local model that shares the target's tokenizer (said once)."""
         from ..catalog.registry import resolve_pair
 
-        return resolve_pair(self.pair, self.draft, self.target)[0] is not None
+        draft, target = resolve_pair(self.pair, self.draft, self.target)
+        if draft != "auto":
+            return draft, target
+        from ..catalog.drafts import find_draft
+
+        search = find_draft(target)
+        if search.draft is None:
+            click.echo(
+                f"[models] --draft auto: none of the {search.n_tried} smaller local models shares "
+                f"{Path(target).name}'s tokenizer",
+                err=True,
+            )
+        else:
+            click.echo(f"[models] --draft auto chose {search.draft.name}", err=True)
+        return search.draft, target
+
+    def has_draft(self) -> bool:
+        """Whether this choice loads a draft model (a target alone does not)."""
+        return self.chosen_models[0] is not None
 
     def fit(self, config):
         """``config`` as this choice can run it: with a target alone, the default drafter drafts by
@@ -142,9 +161,7 @@ class ModelChoice:
 
     def served_name(self) -> str:
         """The id /v1/models lists: the target file's name without .gguf, or the registry's name."""
-        from ..catalog.registry import resolve_pair
-
-        name = Path(resolve_pair(self.pair, self.draft, self.target)[1]).name
+        name = Path(self.chosen_models[1]).name
         return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
@@ -166,7 +183,12 @@ def model_options(command):
     receives them as one ``model: ModelChoice``."""
     options = [
         click.option("--pair", default=None, help="Registered pair (default: 'default')."),
-        click.option("--draft", default=None, help="Draft GGUF path or registered name."),
+        click.option(
+            "--draft",
+            default=None,
+            help="Draft GGUF path or registered name; auto: the smallest local model that shares the "
+            "target's tokenizer (none: prompt lookup).",
+        ),
         click.option("--target", default=None, help="Target GGUF path or registered name."),
         click.option(
             "--n-ctx",
