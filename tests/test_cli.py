@@ -374,3 +374,15 @@ def test_a_target_alone_gives_chat_and_serve_a_lookup_config(tiny_pair):
         assert engine.generate("the water is", config).stats.n_tokens >= 1
     both = ModelChoice(None, str(tiny_pair[0]), str(tiny_pair[1]), 256, 1, 0, False)
     assert both.has_draft() and both.fit(GenerationConfig()).drafter == GenerationConfig().drafter
+
+
+def test_models_list_gives_each_models_size_on_disk_and_presence(runner, monkeypatch, tmp_path):
+    monkeypatch.setenv("CACTUS_EDGE_MODELS", str(tmp_path))
+    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"x" * 3_000_000)  # "fetched", 3 MB
+    out = runner.invoke(main, ["models", "list"]).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
+    row = rows["smollm2-135m-instruct"]
+    assert row[1] == "fetched" and row[4:6] == ["3", "MB"]  # its size on disk, not the registry's
+    draft = rows["qwen2.5-coder-0.5b-instruct"]
+    assert draft[1] == "-" and draft[4:6] == ["491", "MB"]  # to download
+    assert "3 MB of registered models on disk" in out

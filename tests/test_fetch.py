@@ -561,7 +561,8 @@ def hub_cli(tmp_path, monkeypatch):
 
 def listed(runner, name):
     """The words of ``name``'s row in the models table of `models list`."""
-    table = runner.invoke(main, ["models", "list"]).stdout.split("\nmodels:\n")[1]
+    heading = "\nmodels (size: on disk when fetched, else to download):\n"
+    table = runner.invoke(main, ["models", "list"]).stdout.split(heading)[1]
     return next(row.split() for row in table.splitlines() if row.split()[:1] == [name])
 
 

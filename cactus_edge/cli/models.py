@@ -17,6 +17,9 @@ def models() -> None:
     """List, fetch, verify, inspect and re-quantize GGUF models."""
 
 
+MODELS_HEADING = "models (size: on disk when fetched, else to download):"
+
+
 @models.command("list")
 @handle_errors
 def models_list() -> None:
@@ -31,13 +34,19 @@ def models_list() -> None:
     click.echo("\npairs:")
     for pair in registry.pairs.values():
         click.echo(f"  {pair.name:<18} {pair.draft} -> {pair.target}")
-    click.echo("\nmodels:")
+    click.echo(f"\n{MODELS_HEADING}")
+    on_disk = 0
     for spec in registry.models.values():
-        present = "fetched" if spec.path(models_dir).is_file() else "-"
+        path = spec.path(models_dir)
+        present = "fetched" if path.is_file() else "-"
         source = type(spec.source).__name__.removesuffix("Source").lower()
         pinned = "pinned" if spec.pinned else "unpinned"
-        size = format_size_mb(spec.size)
-        click.echo(f"  {spec.name:<30} {present:<8} {source:<12} {pinned:<9} {size:>12}  {spec.description}")
+        size = path.stat().st_size if path.is_file() else spec.size
+        on_disk += size if path.is_file() else 0
+        size_text = format_size_mb(size)
+        row = f"  {spec.name:<30} {present:<8} {source:<12} {pinned:<9} {size_text:>12}"
+        click.echo(f"{row}  {spec.description}")
+    click.echo(f"\n{format_size_mb(on_disk)} of registered models on disk")
     if not all(spec.pinned for spec in registry.models.values()):
         click.echo(
             "\nunpinned: no sha256 recorded, or a Hugging Face branch rather than a commit; a Hugging Face "
