@@ -143,6 +143,16 @@ class DraftPlanner:
                 k = probe_k
         return k
 
+    def model_can_pay(self, room: int) -> bool:
+        """Whether the draft model could beat plain decoding at some draft length ≤ ``room`` on
+        this machine, even with every draft accepted and its decodes batched along a lookup guess
+        (its cheapest case). True until `auto` has measured both models' costs."""
+        if not (self.config.auto and {"target", "draft"} <= self.costs.calibrated):
+            return True
+        cheapest = self.costs.draft  # k guided drafts: one batch of k
+        verify = self.costs.verify_ms
+        return any(could_pay(k, cheapest, verify, SPECULATION_MARGIN) for k in range(1, max(room, 1) + 1))
+
     def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):
         """k → estimated ms to draft k tokens from this source, catch-up spread over a run of
         run_tokens tokens."""
@@ -401,6 +411,7 @@ class DraftSourceChooser:
     ):
         self.name, self.planner, self.model, self.lookup = name, planner, model, lookup
         self.profile, self.shaper, self.is_end = profile, shaper, is_end
+        self.model_off = False  # model+lookup found that the model cannot pay here: lookup alone
 
     def propose(self, committed: list[int], room: int, horizon: float = 0.0) -> Proposal:
         """This step's drafts (≤ room tokens); ``horizon``: tokens the reply may still draft for.
@@ -435,7 +446,9 @@ class DraftSourceChooser:
                 self.unfollow(len(found) - n_draft)
                 return self.lookup.propose(found[:n_draft], lookup_source)
         self.unfollow(len(found))  # the model drafts from committed, or nothing is proposed
-        if self.name == "lookup":
+        if self.name == "model+lookup" and not self.model_off:
+            self.model_off = not self.planner.model_can_pay(room)
+        if self.name == "lookup" or self.model_off:
             return Proposal(guess=found, lookup_source=lookup_source)
         guess = found[: room - 1]
         source = "model/guided" if guess else "model"

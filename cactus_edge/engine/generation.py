@@ -115,6 +115,7 @@ class Generation:
         self.profile.start()
         horizon = min(self.config.max_tokens - self.n_generated, CATCH_UP_HORIZON)
         proposal = self.drafter.propose(self.committed, self._draft_room(), horizon)
+        self.stats.draft_model_off = self.drafter.model_off
         target_rows, verify_ms, raw_logits = self.verify(proposal)
         emitted, n_accepted, acceptance_probs, kl = self.decide(proposal, target_rows)
         if self.config.logprobs:  # from the raw rows, before the next decode overwrites them

@@ -87,6 +87,7 @@ class GenerationStats:
     n_drafted: int = 0
     n_accepted: int = 0
     n_forced: int = 0  # accepted draft tokens that the grammar forced (included in n_accepted)
+    draft_model_off: bool = False  # model+lookup drafted by lookup alone: the model cannot pay here
     accepted_by_position: list[int] = field(default_factory=list)
     tried_by_position: list[int] = field(default_factory=list)
     prefill_ms: float = 0.0  # the first step: the prompt's decode and the first token
@@ -194,10 +195,11 @@ class GenerationStats:
             budget = f" (total {_clean(self.kl_total)} of budget {self.kl_budget:g})"
         histogram = f", draft lengths {self.draft_length_histogram}" if self.method != "none" else ""
         forced = f", {self.n_forced} forced by the grammar" if constrained else ""
+        off = ", lookup alone (the draft model cannot pay on this machine)" if self.draft_model_off else ""
         return (
             f"[{self.method}] {self.n_tokens} tokens, {self.tokens_per_second:.1f} tok/s, "
             f"AL {self.acceptance_length:.2f} ({self.tokens_per_verifier_call:.2f} tokens/verifier call), "
-            f"{self.n_verifier_calls} verifier calls{kl}{budget}{histogram}{forced}, "
+            f"{self.n_verifier_calls} verifier calls{kl}{budget}{histogram}{forced}{off}, "
             f"finish: {self.finish_reason}"
         )
 
