@@ -520,6 +520,56 @@ def test_the_stream_agrees_with_the_whole_text_on_any_chunking(reply):
     assert openai_assembly(deltas) == (content, calls_of(calls))
 
 
+# Every form the parser knows (accepted, refused, cut short) and plain content, whitespace included.
+MIXED_FORMS = sorted(
+    {text for text, _, _ in ACCEPTED_FORMS + CUT_FORMS}
+    | set(REFUSED_FORMS)
+    | set(SEGMENTS)
+    | {"\u00a0", "\t", "Done.", "<tool_call>", "```json\n"}
+)
+
+
+@st.composite
+def chunked_mixed_forms(draw):
+    text = "".join(draw(st.lists(st.sampled_from(MIXED_FORMS), max_size=5)))
+    cuts = draw(st.lists(st.integers(0, len(text)), max_size=12))
+    return text, cuts
+
+
+def streamed_whole(text: str, cuts: list[int], *, calls_only: bool, cut: bool) -> list:
+    stream = ToolCallStream(NAMES, calls_only=calls_only)
+    bounds = [0, *sorted(cuts), len(text)]
+    deltas = [
+        delta
+        for start, end in zip(bounds, bounds[1:], strict=False)
+        for delta in stream.feed(text[start:end])
+    ]
+    return deltas + stream.finish(cut=cut)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunked_mixed_forms(), st.booleans(), st.booleans())
+def test_any_chunking_of_any_mix_of_forms_gives_the_whole_texts_content_and_calls(reply, calls_only, cut):
+    """For every text made of the known forms and content, every chunking of it, with or without
+    calls_only and cut: the stream's content concatenated and its calls are parse_tool_calls's."""
+    text, cuts = reply
+    content, calls = parse_tool_calls(text, NAMES, calls_only=calls_only, cut=cut)
+    deltas = streamed_whole(text, cuts, calls_only=calls_only, cut=cut)
+    assert stream_result(deltas) == (content, calls_of(calls))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\u00a0" + PARIS_JSON, "\u00a0" + hermes("search", "{}") + PARIS_JSON, " \n\t" + PARIS_JSON],
+)
+def test_whitespace_before_a_bare_object_is_judged_alike_on_every_chunking(text):
+    """A bare object follows JSON whitespace only, yet any whitespace leaves the reply's start open."""
+    content, calls = parse_tool_calls(text, NAMES)
+    for split in range(len(text) + 1):
+        deltas = streamed_whole(text, [split], calls_only=False, cut=False)
+        assert stream_result(deltas) == (content, calls_of(calls))
+
+
 def test_character_by_character_matches_too():
     text = "Checking.\n" + "".join(SEGMENTS[9:16]) + "\nDone."
     content, calls = parse_tool_calls(text, NAMES)

@@ -13,8 +13,8 @@ Qwen2.5's Hermes format, the one its chat template teaches::
   named function); :meth:`ToolSetup.grammar_after_trigger` constrains what follows the
   ``<tool_call>`` trigger with "auto".
 - :func:`parse_tool_calls` splits a finished reply into content and calls;
-  :class:`ToolCallStream` does the same on a stream of text deltas, and the two agree on every
-  chunking of the same text (one is the other fed in one piece).
+  :class:`ToolCallStream` does the same on a stream of text deltas. Both run one parser, the
+  stream on the text it holds back at each delta, so the two agree on every chunking of a text.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from itertools import groupby
+from typing import Any, NamedTuple
 
 from llguidance import LLMatcher
 
@@ -401,302 +402,253 @@ def parse_tool_calls(
     function), so whatever is not a complete call is one cut short (even inside its marker, where
     a tokenizer spells it in pieces): no content at all.
     """
-    stream = ToolCallStream(tool_names, calls_only=calls_only)
-    events = stream._settle(text, final=True, cut=cut)
-    content = "".join(event for event in events if isinstance(event, str))
-    return content or None, [event for event in events if isinstance(event, ToolCall)]
+    pieces, _ = _parse(text, frozenset(tool_names), cut=cut)
+    content = "" if calls_only else "".join(piece for piece in pieces if isinstance(piece, str)).strip()
+    return content or None, [piece for piece in pieces if isinstance(piece, ToolCall)]
 
 
 class ToolCallStream:
     """:func:`parse_tool_calls` over a stream: ``feed(text_delta)`` and ``finish()`` return
     :class:`ContentDelta` and :class:`ToolCallDelta` items.
 
-    Text that may begin a call (a prefix of an opener, or a block not yet closed) is held back
-    until it is settled, so markup never reaches the content. A call is emitted once its block is
-    complete: a first fragment with id and name, then one with all its arguments. Whitespace
-    is held too: dropped at the start and the end of the reply, so the concatenated content is
-    exactly :func:`parse_tool_calls`'s (``calls_only`` as there).
+    The text from the first position that may still begin a call is held, and each feed parses
+    it again with the same parser as :func:`parse_tool_calls`: what that parse decides is sent and
+    dropped, so every chunking of a reply gives the whole reply's content and calls, and markup
+    never reaches the content. A call is sent once its block is complete: a first fragment with id
+    and name, then one with all its arguments. The content's whitespace is held too: dropped at
+    the start and the end of the reply, as :func:`parse_tool_calls` strips it.
     """
 
     def __init__(self, tool_names: Iterable[str], *, calls_only: bool = False) -> None:
         self._names = frozenset(tool_names)
         self._calls_only = calls_only
-        self._text = ""  # received, not yet settled
-        self._block: _Block | None = None  # the candidate call block _text starts with
-        self._space = ""  # trailing whitespace of the content so far, held
-        self._content_seen = False  # has any non-space content been emitted?
+        self._held = ""
+        self._leading = True  # no content yet, so a bare object may still be a call
+        self._space = ""  # the content's trailing whitespace, sent only before more content
+        self._sent = False
         self._calls = 0
 
     def feed(self, text_delta: str) -> list[Delta]:
-        return self._deltas(self._settle(text_delta, final=False))
+        return self._advance(text_delta, final=False)
 
     def finish(self, cut: bool = False) -> list[Delta]:
         """The rest, the reply being over; ``cut`` as in :func:`parse_tool_calls`."""
-        return self._deltas(self._settle("", final=True, cut=cut))
+        return self._advance("", final=True, cut=cut)
 
-    def _settle(self, text_delta: str, *, final: bool, cut: bool = False) -> list[str | ToolCall]:
-        """Settled content strings and calls after appending ``text_delta``; ``final`` settles
-        everything (the reply is over; ``cut``: not by the model)."""
-        self._text += text_delta
-        events: list[str | ToolCall] = []
-        while self._text:
-            if self._block is None and not self._start_block(events, final):
-                break
-            outcome = self._block.advance(self._text, final, cut)
-            if outcome is _MORE:
-                break
-            if outcome is _NOT_A_CALL:
-                # Only the opener is content for sure: the rest is scanned again, and may hold a call.
-                self._content(self._block.opener or self._text[0], events)
-                self._text = self._text[len(self._block.opener) or 1 :]
-            else:
-                events += [ToolCall(new_call_id(), name, arguments) for name, arguments in self._block.calls]
-                self._text = self._text[outcome:]
-            self._block = None
-        return events
+    def _advance(self, text_delta: str, *, final: bool, cut: bool = False) -> list[Delta]:
+        """Parse the held text and ``text_delta``; send what the parse decides, hold the rest."""
+        text = self._held + text_delta
+        pieces, end = _parse(text, self._names, leading=self._leading, final=final, cut=cut)
+        self._held = text[end:]
+        self._leading = _still_leading(self._leading, pieces)
+        deltas: list[Delta] = []
+        for is_call, group in groupby(pieces, key=lambda piece: isinstance(piece, ToolCall)):
+            run = list(group)
+            deltas += self._call_deltas(run) if is_call else self._content("".join(run))
+        return deltas
 
-    def _start_block(self, events: list[str | ToolCall], final: bool) -> bool:
-        """Emit the content before the next possible call and start reading it there; False when
-        there is none yet (the rest is content, or a prefix of an opener held for more text)."""
-        start, opener = _next_candidate(self._text, leading=not self._content_seen, final=final)
-        self._content(self._text[:start], events)
-        self._text = self._text[start:]
-        if opener is None:
-            return False
-        self._block = _Block(opener, self._names)
-        return True
-
-    def _content(self, text: str, events: list[str | ToolCall]) -> None:
+    def _content(self, text: str) -> list[Delta]:
+        """The delta for decided content: none under ``calls_only``, whitespace held at the ends."""
         if self._calls_only:
-            # The grammar allowed nothing but calls: this is one cut short. It still counts as
-            # seen, so a later bare object is judged alike on every chunking.
-            self._content_seen = self._content_seen or bool(text.strip())
-            return
+            return []
         pending = self._space + text
         body = pending.rstrip()
-        if not body:
-            self._space = pending
-            return
-        if not self._content_seen:
-            body = body.lstrip()
-        self._space = pending[len(pending.rstrip()) :]
-        self._content_seen = True
-        if events and isinstance(events[-1], str):
-            events[-1] += body  # one delta per feed, not one per settled piece
-        else:
-            events.append(body)
+        self._space = pending[len(body) :]
+        body = body if self._sent else body.lstrip()
+        self._sent = self._sent or bool(body)
+        return [ContentDelta(body)] if body else []
 
-    def _deltas(self, events: list[str | ToolCall]) -> list[Delta]:
+    def _call_deltas(self, calls: list[ToolCall]) -> list[Delta]:
+        """Two fragments per call: its id and name, then all its arguments."""
         deltas: list[Delta] = []
-        for event in events:
-            if isinstance(event, str):
-                deltas.append(ContentDelta(event))
-                continue
-            deltas.append(ToolCallDelta(self._calls, event.id, event.name, ""))
-            deltas.append(ToolCallDelta(self._calls, None, None, event.arguments))
+        for call in calls:
+            deltas += [
+                ToolCallDelta(self._calls, call.id, call.name, ""),
+                ToolCallDelta(self._calls, None, None, call.arguments),
+            ]
             self._calls += 1
         return deltas
 
 
-# --- recognising call blocks --------------------------------------------------------------------
+# --- the parser ----------------------------------------------------------------------------------
 
 # The markup a call block may open with, and what closes it. A bare object has neither.
-_CLOSERS = {CALL_OPEN: CALL_CLOSE, "<tools>": "</tools>", "```": "```"}
+_OPENERS = {CALL_OPEN: CALL_CLOSE, "<tools>": "</tools>", "```": "```"}
+_FENCE_TAG = re.compile(r"[A-Za-z_]*")
 _FENCE_LANGUAGES = ("", "json", "tool_call")
-_MORE = object()  # cannot tell yet
-_NOT_A_CALL = object()
-_CUT = object()  # the generation was cut inside a call: drop it
-_SPACE = " \t\r\n"
+_SPACES = re.compile(r"[ \t\r\n]*")
+# A JSON string (its closing quote captured, absent when the text ends inside it) or a bracket.
+_JSON_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(")?|[{}\[\]]', re.DOTALL)
 
 
-def _next_candidate(text: str, *, leading: bool, final: bool) -> tuple[int, str | None]:
-    """Where the next call block may start in ``text``, and its opener ("" for a bare object);
-    (index, None) when none starts there: ``text[index:]`` is a proper prefix of an opener held
-    for more text, or the end of the text."""
-    found = [(index, opener) for opener in _CLOSERS if (index := text.find(opener)) >= 0]
-    if leading:
-        first = len(text) - len(text.lstrip(_SPACE))
-        if text[first : first + 1] == "{":
-            found.append((first, ""))
+class _Block(NamedTuple):
+    """A verdict on a candidate call block: its calls and where it ends, or ``calls`` None when it
+    is no call (then it ends after its opener: only that is content for sure)."""
+
+    end: int
+    calls: list[ToolCall] | None
+
+
+def _parse(
+    text: str, names: frozenset[str], *, leading: bool = True, final: bool = True, cut: bool = False
+) -> tuple[list[str | ToolCall], int]:
+    """``text`` as content strings and calls, and where its undecided rest (a possible call; none when
+    ``final``) begins. ``leading``: no content came before, so a bare object may be a call."""
+    pieces: list[str | ToolCall] = []
+    pos = 0
+    while pos < len(text):
+        leading = _still_leading(leading, pieces)
+        start, opener = _next_opener(text, pos, leading=leading, final=final)
+        block = None if opener is None else _read_block(text, start, opener, names, final=final, cut=cut)
+        pieces += [text[pos:start]] if start > pos else []
+        if block is None:
+            return pieces, start
+        pieces += [text[start : block.end]] if block.calls is None else block.calls
+        pos = block.end
+    return pieces, pos
+
+
+def _still_leading(leading: bool, pieces: list[str | ToolCall]) -> bool:
+    """Whether no content but whitespace came before the text after ``pieces``."""
+    return leading and not any(isinstance(piece, str) and piece.strip() for piece in pieces)
+
+
+def _next_opener(text: str, pos: int, *, leading: bool, final: bool) -> tuple[int, str | None]:
+    """Where the first possible call block from ``pos`` starts and its opener ("" for a bare object);
+    else where text that may still begin one (an opener's prefix, whitespace before a bare object) starts."""
+    found = [(index, opener) for opener in _OPENERS if (index := text.find(opener, pos)) >= 0]
+    first = _skip_space(text, pos)
+    if leading and text.startswith("{", first):
+        found.append((first, ""))
     if found:
-        return min(found, key=lambda item: item[0])
+        return min(found)
     if final:
         return len(text), None
-    return _held_prefix(text), None
+    if leading and text[pos:].isspace():
+        return pos, None
+    longest = max(map(len, _OPENERS))
+    starts = range(max(pos, len(text) - longest + 1), len(text))
+    return next((i for i in starts if any(o.startswith(text[i:]) for o in _OPENERS)), len(text)), None
 
 
-def _held_prefix(text: str) -> int:
-    """The start of the longest tail of ``text`` that an opener begins with (len(text) if none)."""
-    for start in range(max(0, len(text) - max(map(len, _CLOSERS)) + 1), len(text)):
-        if any(opener.startswith(text[start:]) for opener in _CLOSERS):
-            return start
-    return len(text)
+def _skip_space(text: str, pos: int) -> int:
+    return _SPACES.match(text, pos).end()
 
 
-class _Block:
-    """One candidate call block read from the start of the held text: its opener, one or more
-    call objects separated by whitespace, and its closer (a bare object is one object alone, or
-    the objects inside a second pair of braces up to its closing one).
-
-    ``advance(text, final, cut)`` is called with the same text growing; it returns _MORE,
-    _NOT_A_CALL, or the length of the block, with ``calls`` then holding (name, arguments) pairs. Every
-    verdict depends only on the text it has seen, so feeding the text in any chunks gives the
-    same verdicts as feeding it whole.
-    """
-
-    def __init__(self, opener: str, names: frozenset[str]) -> None:
-        self.opener = opener
-        self.closer = _CLOSERS.get(opener, "")
-        self.names = names
-        self.calls: list[tuple[str, str]] = []
-        self.pos = 0
-        self.reader: _ObjectReader | None = None
-        self.opened = False
-        self.doubled = False  # a bare object inside a second pair of braces
-
-    def advance(self, text: str, final: bool, cut: bool = False) -> Any:
-        if not self.opened:
-            opened = self._open(text, final)
-            if opened is not True:
-                return opened
-        while True:
-            if self.reader is not None:
-                outcome = self.reader.advance(text, final, cut)
-                if outcome is _CUT:
-                    return len(text)  # the calls before it stand; the rest goes
-                if not isinstance(outcome, tuple):
-                    return outcome
-                self.pos, call = outcome
-                self.calls.append(call)
-                self.reader = None
-                if not self.opener and not self.doubled:
-                    return self.pos
-            outcome = self._between_objects(text, final, cut)
-            if outcome is not None:
-                return outcome
-
-    def _open(self, text: str, final: bool) -> Any:
-        """Match the opener (and a fence's language tag); True once past it."""
-        if len(text) < len(self.opener):
-            return _NOT_A_CALL if final or not self.opener.startswith(text) else _MORE
-        if not text.startswith(self.opener):
-            return _NOT_A_CALL
-        self.pos = len(self.opener)
-        if self.opener == "```":
-            language = re.match(r"[A-Za-z_]*", text[self.pos :]).group()
-            if self.pos + len(language) == len(text) and not final:
-                return _MORE  # the tag may go on
-            if language.lower() not in _FENCE_LANGUAGES:
-                return _NOT_A_CALL
-            self.pos += len(language)
-        self.opened = True
-        return True
-
-    def _between_objects(self, text: str, final: bool, cut: bool) -> Any:
-        """After the opener or an object: the next object starts (None: go on reading it), the
-        closer ends the block, or something else means this is no call block."""
-        position = self.pos
-        while position < len(text) and text[position] in _SPACE:
-            position += 1
-        rest = text[position:]
-        if not self.opener and not self.calls and not self.doubled and rest.startswith("{"):
-            inner = rest[1:].lstrip(_SPACE)
-            if not inner and not final:
-                return _MORE  # a brace alone: an object, or the first of two
-            if inner.startswith("{"):
-                # Qwen2.5's template shows a call as {{"name": ...}}, and small models copy it.
-                self.doubled, self.closer = True, "}"
-                position = len(text) - len(inner)
-                rest = inner
-        if rest.startswith("{"):
-            self.pos = position
-            marked = self.opener == CALL_OPEN or bool(self.calls)
-            self.reader = _ObjectReader(position, self.names, marked=marked)
+def _read_block(
+    text: str, start: int, opener: str, names: frozenset[str], *, final: bool, cut: bool
+) -> _Block | None:
+    """The verdict on the block at ``start`` (its opener, call objects apart by whitespace, its
+    closer), or None while the text so far cannot tell."""
+    not_a_call = _Block(start + (len(opener) or 1), None)
+    pos, closer = _open(text, start, opener)
+    if pos == len(text) and not final:
+        return None
+    if opener == "```" and text[start + 3 : pos].lower() not in _FENCE_LANGUAGES:
+        return not_a_call
+    calls: list[ToolCall] = []
+    while text.startswith("{", pos := _skip_space(text, pos)):
+        marked = opener == CALL_OPEN or bool(calls)
+        read = _read_call(text, pos, names, marked=marked, final=final, cut=cut)
+        if read is None:
             return None
-        if self.calls and self.closer and rest.startswith(self.closer):
-            return position + len(self.closer)
-        if not final and (not rest or (self.calls and self.closer.startswith(rest))):
-            return _MORE
-        # A call whose closing marker never came (or came cut short) at the very end of the reply
-        # still counts; a call marker with nothing after it is a call cut before it began.
-        if final and self.calls and self.closer.startswith(rest):
-            return len(text)
-        if final and not rest and cut and self.opener == CALL_OPEN:
-            return position
-        return _NOT_A_CALL
+        if read.calls is None:
+            return not_a_call
+        calls += read.calls
+        if not read.calls or not closer:  # a call cut short, or a bare object's one call
+            return _Block(read.end, calls)
+        pos = read.end
+    rest = text[pos:]
+    if calls and closer and rest.startswith(closer):
+        return _Block(pos + len(closer), calls)
+    if rest and not (calls and closer.startswith(rest)):
+        return not_a_call
+    # The text ends: the closer of calls is missing, or a marker was cut before its call began.
+    return _ended(text, final, bool(calls) or (cut and opener == CALL_OPEN), calls, not_a_call)
 
 
-class _ObjectReader:
-    """Reads one JSON object starting at ``start``: refuses it as soon as its head cannot be
-    ``{"name": "<known tool>"``, and finds its end incrementally (strings and nesting tracked).
-    ``marked``: the object follows a ``<tool_call>`` marker or a call, so a head cut short is a
-    call's."""
+def _open(text: str, start: int, opener: str) -> tuple[int, str]:
+    """Where the block's first object may begin (past the opener and a fence's language tag, or
+    past a bare object's outer brace when it is doubled), and the closer that ends the block."""
+    if opener == "```":
+        return _FENCE_TAG.match(text, start + 3).end(), "```"
+    if opener:
+        return start + len(opener), _OPENERS[opener]
+    inner = _skip_space(text, start + 1)
+    if inner == len(text) or text[inner] == "{":  # Qwen2.5's template shows a call as {{"name": ...}}
+        return inner, "}"
+    return start, ""
 
-    _STRUCTURE = re.compile(r'["{}\[\]]')
-    _IN_STRING = re.compile(r'["\\]')
 
-    def __init__(self, start: int, names: frozenset[str], *, marked: bool = False) -> None:
-        self.start = start
-        self.names = names
-        self.marked = marked
-        self.pos = start
-        self.open = ""  # the brackets open at pos, innermost last
-        self.in_string = False
-        self.head_known = False
+def _read_call(
+    text: str, pos: int, names: frozenset[str], *, marked: bool, final: bool, cut: bool
+) -> _Block | None:
+    """The verdict on the object at ``pos``: one call, or none, or None while the text so far cannot
+    tell. ``marked``: a ``<tool_call>`` marker or a call precedes it, so a head cut short is a call's."""
+    not_a_call = _Block(pos, None)
+    head = _head_verdict(text, pos, names)
+    if head is None:
+        return _ended(text, final, cut and marked, [], not_a_call)
+    if not head:
+        return not_a_call
+    end, in_string, closers = _scan_object(text, pos)
+    if end is None:
+        return _ended(text, final, cut and _is_cut_json(text[pos:], in_string, closers), [], not_a_call)
+    call = _call_from_json(text[pos:end], names)
+    return not_a_call if call is None else _Block(end, [call])
 
-    def advance(self, text: str, final: bool, cut: bool = False) -> Any:
-        """_MORE, _NOT_A_CALL, _CUT (only when ``final`` and ``cut``), or (end, (name, arguments))."""
-        if not self.head_known:
-            verdict = _head_verdict(text[self.start :], self.names)
-            if verdict is None:
-                return (_CUT if self.marked and cut else _NOT_A_CALL) if final else _MORE
-            if not verdict:
-                return _NOT_A_CALL
-            self.head_known = True
-        end = self._scan(text)
-        if end is None:
-            if not final:
-                return _MORE
-            return _CUT if cut and self._is_cut_json(text[self.start :]) else _NOT_A_CALL
-        call = _call_from_json(text[self.start : end], self.names)
-        return _NOT_A_CALL if call is None else (end, call)
 
-    def _scan(self, text: str) -> int | None:
-        """The index just past the object's closing brace, or None if it has not come yet."""
-        while True:
-            pattern = self._IN_STRING if self.in_string else self._STRUCTURE
-            match = pattern.search(text, self.pos)
-            if match is None:
-                return None
-            char, self.pos = match.group(), match.end()
-            if self.in_string:
-                if char == "\\":
-                    if self.pos >= len(text):
-                        self.pos -= 1  # the escaped character has not arrived: look again later
-                        return None
-                    self.pos += 1
-                else:
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.open += char
-            else:
-                self.open = self.open[:-1]
-                if not self.open:
-                    return self.pos
+def _ended(text: str, final: bool, kept: bool, calls: list[ToolCall], not_a_call: _Block) -> _Block | None:
+    """The verdict when the text ends first: none yet unless ``final``; then, when ``kept``, the block
+    ends with the text and keeps ``calls`` (dropping what it cut short), else it is no call."""
+    if not final:
+        return None
+    return _Block(len(text), calls) if kept else not_a_call
 
-    def _is_cut_json(self, text: str) -> bool:
-        """Whether ``text`` (scanned to its end, no object end found) is the start of some valid
-        JSON: one of the few completions a cut can need, then the open strings and brackets
-        closed, parses. Malformed text the model went on after is no cut call."""
-        closers = "".join("}" if bracket == "{" else "]" for bracket in reversed(self.open))
-        string_ends = _STRING_ENDS if self.in_string else ("",)
-        return any(
-            _parses(text + string_end + value_end + closers)
-            for string_end in string_ends
-            for value_end in _VALUE_ENDS
-        )
+
+def _head_verdict(text: str, pos: int, names: frozenset[str]) -> bool | None:
+    """Whether the object at ``pos`` begins ``{"name": "<one of names>"`` (whitespace allowed between
+    tokens): True, False, or None when the text ends too soon to tell."""
+    for piece in ("{", '"name"', ":", '"'):
+        pos = _skip_space(text, pos)
+        chunk = text[pos : pos + len(piece)]
+        if not piece.startswith(chunk):
+            return False
+        if len(chunk) < len(piece):
+            return None
+        pos += len(piece)
+    end = text.find('"', pos)
+    if end < 0:
+        return None if any(name.startswith(text[pos:]) for name in names) else False
+    return text[pos:end] in names
+
+
+def _scan_object(text: str, pos: int) -> tuple[int | None, bool, str]:
+    """Where the JSON object at ``pos`` ends (strings and nesting tracked), or None and what the end of
+    the text leaves open: whether a string, and the closers of the open brackets, innermost first."""
+    closers = ""
+    for token in _JSON_TOKEN.finditer(text, pos):
+        mark = token.group()
+        if mark[0] == '"' and token.group(1) is None:
+            return None, True, closers
+        if mark in ("{", "["):
+            closers = ("}" if mark == "{" else "]") + closers
+        elif mark in ("}", "]"):
+            closers = closers[1:]
+        if not closers:
+            return token.end(), False, ""
+    return None, False, closers
+
+
+def _is_cut_json(text: str, in_string: bool, closers: str) -> bool:
+    """Whether the unfinished object ``text`` is the start of valid JSON (some completion a cut can need
+    parses), so a cut call rather than malformed text the model went on after."""
+    string_ends = _STRING_ENDS if in_string else ("",)
+    return any(
+        _parses(text + string_end + value_end + closers)
+        for string_end in string_ends
+        for value_end in _VALUE_ENDS
+    )
 
 
 # What a valid JSON text cut at any point needs before its brackets close: inside a string, an
@@ -714,32 +666,12 @@ def _parses(text: str) -> bool:
     return True
 
 
-def _head_verdict(head: str, names: frozenset[str]) -> bool | None:
-    """Whether an object starting ``head`` begins ``{"name": "<one of names>"`` (whitespace
-    allowed between tokens): True, False, or None when ``head`` is too short to tell."""
-    position = 0
-    for piece in ("{", '"name"', ":", '"'):
-        while position < len(head) and head[position] in _SPACE:
-            position += 1
-        chunk = head[position : position + len(piece)]
-        if not piece.startswith(chunk):
-            return False
-        if len(chunk) < len(piece):
-            return None
-        position += len(piece)
-    end = head.find('"', position)
-    if end < 0:
-        partial = head[position:]
-        return None if any(name.startswith(partial) for name in names) else False
-    return head[position:end] in names
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _call_from_json(text: str, names: frozenset[str]) -> tuple[str, str] | None:
-    """(name, compact arguments) if ``text`` is a call object of a known tool, else None."""
+def _call_from_json(text: str, names: frozenset[str]) -> ToolCall | None:
+    """The call ``text`` spells if it is a call object of a known tool, with compact arguments."""
     try:
         value = json.loads(text, parse_constant=_refuse_constant)
     except ValueError:
@@ -752,7 +684,8 @@ def _call_from_json(text: str, names: frozenset[str]) -> tuple[str, str] | None:
     arguments = _arguments_object(value[given[0]]) if given else {}
     if arguments is None:
         return None
-    return value["name"], json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    compact = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    return ToolCall(new_call_id(), value["name"], compact)
 
 
 def _arguments_object(arguments: Any) -> dict[str, Any] | None:
