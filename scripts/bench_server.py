@@ -94,13 +94,16 @@ def start_and_read_url(command: list[str], name: str, timeout: float = 900) -> t
     """Start a server whose first stdout line is a JSON ready line with its url."""
     process = _popen(command, subprocess.PIPE, name)
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    # None after the last line: a server that exits before its ready line is reported at once.
+    threading.Thread(target=lambda: [*map(lines.put, process.stdout), lines.put(None)], daemon=True).start()
     try:
-        ready = json.loads(lines.get(timeout=timeout))
+        line = lines.get(timeout=timeout)
     except queue.Empty:
+        line = None
+    if line is None:
         process.kill()
-        raise SystemExit(f"{name} did not print its ready line: {log_tail(process)}") from None
-    return process, ready["url"]
+        raise SystemExit(f"{name} did not print its ready line: {log_tail(process)}")
+    return process, json.loads(line)["url"]
 
 
 def start_theirs(args, target_path: str) -> tuple[subprocess.Popen, str]:
@@ -231,7 +234,20 @@ def per_request_ratio(ours: list[dict], theirs: list[dict]) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
-def main() -> None:
+def require_their_server() -> None:
+    """SystemExit naming the install command when llama-cpp-python's server extra is missing
+    (before anything loads: `python -m llama_cpp.server` would only fail once ours is up)."""
+    try:
+        import llama_cpp.server.app  # noqa: F401  (what `python -m llama_cpp.server` imports)
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(
+            f"bench_server.py runs llama-cpp-python's server, whose extra is not installed ({error}): "
+            "pip install 'llama-cpp-python[server]'"
+        ) from None
+
+
+def build_parser():
     parser = script_parser(__doc__)
     parser.add_argument("--method", default=None, help="Ours: default, the server's default.")
     parser.add_argument("--n-draft", default=None, help="Ours: default, the server's default.")
@@ -246,7 +262,12 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=20)
     parser.add_argument("--direct", action="store_true", help="also time an in-process Engine (C = 1)")
     parser.add_argument("--out", default="bench-out/server.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    require_their_server()
 
     target_path = str(resolve_model_path(model_paths(args)[1]))
     categories = [c for c in args.categories.split(",") if c]

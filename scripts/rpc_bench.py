@@ -22,7 +22,7 @@ import sys
 import threading
 from pathlib import Path
 
-from script_args import free_port
+from script_args import add_model_args, free_port, model_flags
 
 from cactus_edge.errors import WorkerLostError
 from cactus_edge.llama.rpc import Endpoint
@@ -89,7 +89,7 @@ class DelayProxy:
 
 def run_bench(args, endpoints: list[str], out: Path) -> dict:
     command = [
-        sys.executable, "-m", "cactus_edge.cli.main", "bench", "--pair", args.pair,
+        sys.executable, "-m", "cactus_edge.cli.main", "bench", *model_flags(args),
         "--rpc", ",".join(endpoints),
         "--methods", "none,cactus", "--deltas", "1", "--n-draft", "auto",
         "--max-tokens", str(args.max_tokens), "--out", str(out),
@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--pair", default="default")
+    add_model_args(parser)  # --pair (default: 'default') or --draft/--target, --n-ctx, --threads
     parser.add_argument("--delays", default="0,0.5,3", type=lambda s: [float(x) for x in s.split(",")])
     parser.add_argument("--category", action="append", default=[])
     parser.add_argument("--limit", type=int, default=None)
@@ -214,7 +214,8 @@ def main() -> None:
     else:
         rows = measure(args)
         (Path(args.out) / "rpc.json").write_text(json.dumps(rows, indent=2))
-    print(f"{cpu_model_name()} · pair {args.pair} · categories {args.category or 'all'}\n")
+    models = f"{args.draft} + {args.target}" if args.target else f"pair {args.pair or 'default'}"
+    print(f"{cpu_model_name()} · {models} · categories {args.category or 'all'}\n")
     print(table(rows))
     print()
     print(projection(rows, args.scale))

@@ -6,17 +6,18 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from pathlib import Path
 
-from cactus_edge.engine.engine import Engine, GenerationConfig
+from script_args import engine_from_args, script_parser
+
+from cactus_edge.engine.engine import GenerationConfig
 from cactus_edge.tui import CactusChatApp
 
 
-async def render(pair: str, prompt: str, out: Path) -> None:
-    app = CactusChatApp(lambda: Engine.from_pair(pair, n_ctx=4096), GenerationConfig(max_tokens=160, seed=0))
+async def render(args, prompt: str, out: Path) -> None:
+    app = CactusChatApp(lambda: engine_from_args(args), GenerationConfig(max_tokens=160, seed=0))
     async with app.run_test(size=(80, 30)) as pilot:
         while app.engine is None or not app.screen.query("#prompt"):
             await pilot.pause(0.1)
@@ -32,14 +33,11 @@ async def render(pair: str, prompt: str, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--pair", default="default")
+    parser = script_parser(__doc__, n_ctx=4096)  # --pair (default: 'default') or --draft/--target
     parser.add_argument("--prompt", default="Write a Python function that reverses the words in a sentence.")
     parser.add_argument("--out", type=Path, default=Path("docs/chat.svg"))
     args = parser.parse_args()
-    asyncio.run(render(args.pair, args.prompt, args.out))
+    asyncio.run(render(args, args.prompt, args.out))
 
 
 if __name__ == "__main__":
