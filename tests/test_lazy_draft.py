@@ -92,7 +92,29 @@ def test_generate_compare_runs_plain_then_the_settings_and_prints_the_ratio(tiny
     assert re.match(r"plain: \[none\] \d+ tokens, .*, first token \d+ ms$", lines[1])
     assert re.match(r"these settings: \[cactus\] \d+ tokens, .*, first token \d+ ms$", lines[2])
     ratio = r"\d+\.\d\dx tokens/s, first token \d+\.\d\dx, end to end \d+\.\d\dx faster"
-    assert re.fullmatch(f"these settings vs plain: {ratio}", result.stdout.strip())
+    ratio_line, verdict = result.stdout.strip().splitlines()
+    assert re.fullmatch(f"these settings vs plain: {ratio}", ratio_line)
+    said = r"speculation (paid here|did not pay here \(\d+\.\d\dx; .*\)): \d+% of the reply"
+    assert re.match(said, verdict)
+
+
+def test_the_comparison_says_why_speculation_did_not_pay():
+    from cactus_edge.cli.bench import comparison_verdict
+    from cactus_edge.engine.stats import GenerationStats
+    from cactus_edge.rules.draft_length import CostModel
+
+    stats = GenerationStats(method="cactus", n_tokens=100, n_accepted=25)
+    costs = CostModel()
+    for n_tokens, ms in ((1, 40.0), (2, 70.0)):
+        costs.record_verify(n_tokens, ms)
+    costs.record_draft(1, 24.0)
+    slow = comparison_verdict(0.98, stats, costs)
+    assert slow.startswith("speculation did not pay here (0.98x") and "25% of the reply" in slow
+    assert "a batch of 2 tokens costs 1.75x one and a draft token 0.60x one" in slow
+    stats.draft_model_off = True
+    assert "drafted by lookup alone" in comparison_verdict(1.01, stats, costs)
+    paid = "speculation paid here: 25% of the reply came from accepted drafts."
+    assert comparison_verdict(1.2, stats, costs) == paid
 
 
 def test_auto_learns_lookup_acceptance_per_match_class(engine):

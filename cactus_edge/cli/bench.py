@@ -552,3 +552,32 @@ def write_results(
         progress("no plots: pip install 'cactus-edge[plots]'")
     data = {"settings": settings, "summary": summary, "costs": costs, "runs": records}
     (folder / "bench.json").write_text(json.dumps(data, indent=2))
+
+
+NOISE = 0.05  # ratios within this of 1 are inside the spread between runs on our machines
+
+
+def comparison_verdict(speed: float, stats: GenerationStats, costs: CostModel) -> str:
+    """What `generate --compare` measured, in words: whether speculation paid on this machine,
+    and why, from the reply's share of drafted tokens and this machine's measured batch costs."""
+    drafted = stats.n_accepted / max(stats.n_tokens, 1)
+    share = f"{drafted:.0%} of the reply came from accepted drafts"
+    if speed >= 1 + NOISE:
+        return f"speculation paid here: {share}."
+    costs_said = ""
+    if costs.verify:
+        one = costs.verify_ms(1)
+        costs_said = f" Here a batch of 2 tokens costs {costs.verify_ms(2) / one:.2f}x one"
+        if costs.draft:
+            costs_said += f" and a draft token {costs.draft(1) / one:.2f}x one"
+        costs_said += ", so a draft must be accepted nearly every time to pay."
+    off = (
+        " The draft model cannot pay on this machine, so the defaults drafted by lookup alone."
+        if (stats.draft_model_off)
+        else ""
+    )
+    return (
+        f"speculation did not pay here ({speed:.2f}x; within {NOISE:.0%} of 1 is the spread between runs): "
+        f"{share}.{costs_said}{off} Where verifying a few tokens costs about one (a GPU), the same "
+        "acceptance pays more."
+    )

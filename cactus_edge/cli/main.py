@@ -104,7 +104,7 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
 def _compare(engine, prompt_tokens: list[int], config) -> None:
     """`generate --compare`: plain decoding, then ``config``, each from empty caches with the same
     seed after one warm-up (weights paged in, `auto` calibrated); both summaries and the ratios."""
-    from .bench import timed_generation
+    from .bench import comparison_verdict, timed_generation
 
     engine.warm_up()
     runs = {}
@@ -119,6 +119,7 @@ def _compare(engine, prompt_tokens: list[int], config) -> None:
         f"these settings vs plain: {speed:.2f}x tokens/s, first token {first:.2f}x, "
         f"end to end {plain.total_ms / max(ours.total_ms, 1e-9):.2f}x faster"
     )
+    click.echo(comparison_verdict(speed, ours.stats, engine.costs))
 
 
 @main.command()
