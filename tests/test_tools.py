@@ -35,7 +35,7 @@ WEATHER = {
         },
     },
 }
-SEARCH = {"type": "function", "function": {"name": "search", "parameters": {}}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {"properties": {"q": {}}}}}
 TOOLS = [WEATHER, SEARCH]
 NAMES = ["get_weather", "search"]
 
@@ -69,7 +69,8 @@ def test_a_setup_carries_the_functions_and_the_choice():
     assert setup.names == ("get_weather", "search")
     assert (setup.choice, setup.forced_name, setup.parallel, setup.constrained) == ("auto", None, True, False)
     assert setup.tools == tuple(TOOLS)
-    assert setup.functions[1].parameters == {"type": "object"}  # {} means any object
+    assert setup.functions[1].parameters == {"type": "object", "properties": {"q": {}}}
+    assert parse_tools([tool(parameters={})]).functions[0].parameters == {"type": "object"}  # {}: an object
     named = parse_tools(TOOLS, {"type": "function", "function": {"name": "search"}}, False)
     assert (named.choice, named.forced_name, named.parallel, named.constrained) == (
         "function",
@@ -629,3 +630,38 @@ def test_a_setup_gives_a_parser_for_its_tools():
     parser = parse_tools(TOOLS).parser()
     assert isinstance(parser, ToolCallStream)
     assert [type(d) for d in parser.feed(hermes("search", "{}"))] == [ToolCallDelta, ToolCallDelta]
+
+
+def test_arguments_hold_only_the_declared_parameters_unless_the_schema_allows_more(tokenizer):
+    """As llama.cpp's converter reads tool schemas: an object schema silent on extra keys refuses
+    them, nested ones too, so a function without parameters is called with {}."""
+    no_params = tool(name="llm_version", parameters={"type": "object", "properties": {}})
+    grammar = parse_tools([no_params, WEATHER], "required").grammar()
+    assert accepts(tokenizer, grammar, call_ids("llm_version", "{}"))
+    assert not accepts(tokenizer, grammar, call_ids("llm_version", '{"version": "1"}'))
+    assert not accepts(tokenizer, grammar, call_ids("get_weather", '{"city": "Oslo", "unit": "C"}'))
+    when = {"type": "object", "properties": {"day": {}}}
+    nested = tool(name="book", parameters={"properties": {"when": when}})
+    open_ = tool(name="log", parameters={"type": "object", "additionalProperties": True})
+    grammar = parse_tools([nested, open_], "required").grammar()
+    assert accepts(tokenizer, grammar, call_ids("book", '{"when": {"day": 3}}'))
+    assert not accepts(tokenizer, grammar, call_ids("book", '{"when": {"day": 3, "hour": 9}}'))
+    assert accepts(tokenizer, grammar, call_ids("log", '{"anything": [1, 2]}'))  # the schema allows it
+
+
+def test_closing_leaves_what_the_schema_says_and_allof_branches_alone():
+    from cactus_edge.constraints.tools import closed
+
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object"}, "b": {"type": "array", "items": {"properties": {"c": {}}}}},
+        "$defs": {"d": {"type": "object", "additionalProperties": {"type": "integer"}}},
+    }
+    result = closed(schema)
+    assert result["additionalProperties"] is False
+    assert result["properties"]["a"]["additionalProperties"] is False
+    assert result["properties"]["b"]["items"]["additionalProperties"] is False
+    assert result["$defs"]["d"]["additionalProperties"] == {"type": "integer"}  # said: kept
+    assert schema["properties"]["a"] == {"type": "object"}  # the caller's schema is not changed
+    combined = {"type": "object", "properties": {"y": {}}, "allOf": [{"properties": {"x": {}}}]}
+    assert closed(combined) == combined  # closing either part would refuse the other's keys

@@ -157,11 +157,47 @@ def _marker(marker: str | int, special: bool) -> str:
 
 
 def _laid_out(schema: dict[str, Any]) -> str:
-    """The schema as JSON with our layout options (llguidance reads them from a top-level
-    ``x-guidance`` key; ours win over the caller's, since the parser relies on nothing but JSON)."""
+    """The arguments' schema as the grammar embeds it: closed (:func:`closed`) and with our
+    layout options (llguidance reads them from a top-level ``x-guidance`` key; ours win over the
+    caller's, since the parser relies on nothing but JSON)."""
     given = schema.get("x-guidance")
     options = {**(given if isinstance(given, dict) else {}), **JSON_LAYOUT}
-    return json.dumps({**schema, "x-guidance": options})
+    return json.dumps({**closed(schema), "x-guidance": options})
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains", "additionalProperties")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object schema that says nothing about extra keys refusing them, as
+    llama.cpp's converter reads tool schemas: a call then holds only its declared parameters, and
+    a function without parameters is called with ``{}``. JSON Schema's own default (any extra key
+    allowed) let models invent arguments the function rejects. An object combined from others
+    (``allOf``, ``anyOf``, ``oneOf``, ``$ref``) and the ``allOf`` branches are left open: closing
+    them would refuse the keys the other parts declare."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            result[key] = {name: closed(sub) for name, sub in result[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, *_SUBSCHEMAS):
+        if isinstance(result.get(key), (dict, list)):
+            result[key] = closed(result[key])
+    is_object = result.get("type") == "object" or "properties" in result
+    if is_object and not _SAYS_WHICH_KEYS & result.keys():
+        result["additionalProperties"] = False
+    return result
+
+
+# Keys after which an object schema's keys are not its own properties alone: left open.
+_SAYS_WHICH_KEYS = {
+    "additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref"
+}  # fmt: skip
 
 
 def parse_tools(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolSetup | None:
