@@ -603,3 +603,36 @@ def test_models_verify_names_the_file_and_both_digests(hub_cli):
     assert result.stderr == (
         f"error: 1 model(s) failed verification: qwen3-0.6b ({path}: sha256 {actual}, expected {expected})\n"
     )
+
+
+# --- the hf: shorthand, with a fake hub ------------------------------------------------------------
+
+
+def test_an_hf_shorthand_is_fetched_on_first_use_pinned_and_held_to_its_pin(hub_cli, tiny_pair):
+    """`--target hf:OWNER/REPO/FILE.gguf` downloads the file the first time (at the commit "main"
+    points at), pins it like a registered Hugging Face model, and loads it from disk after that."""
+    runner, repo, models = hub_cli
+    repo.commits[COMMIT] = tiny_pair[1].read_bytes()  # a real GGUF behind "main"
+    name = "hf:someone/tiny-GGUF/tiny-target.gguf"
+    args = ["generate", "hi", "--target", name, "--n-ctx", "256", "--threads", "1", "--max-tokens", "2"]
+    first = runner.invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert repo.downloaded == [COMMIT]
+    path = models / "hf" / "someone" / "tiny-GGUF" / "main" / "tiny-target.gguf"
+    assert path.read_bytes() == tiny_pair[1].read_bytes()
+    pin = read_local_registry(local_registry_file(models))["pins"][name]
+    assert (pin["repo"], pin["filename"], pin["commit"]) == ("someone/tiny-GGUF", "tiny-target.gguf", COMMIT)
+    assert runner.invoke(main, args).exit_code == 0 and repo.downloaded == [COMMIT]  # from disk now
+    path.write_bytes(path.read_bytes()[:-1] + b"X")  # the file changed behind the pin's back
+    changed = runner.invoke(main, args)
+    assert changed.exit_code != 0 and "sha256" in changed.stderr and "expected" in changed.stderr
+
+
+@pytest.mark.parametrize(
+    "text", ["hf:someone/file.gguf", "hf:someone/repo/", "hf:someone/repo/notes.txt", "hf:a/b/../c.gguf"]
+)
+def test_a_malformed_hf_shorthand_is_one_line_naming_the_form(hub_cli, text):
+    runner, repo, _ = hub_cli
+    result = runner.invoke(main, ["generate", "hi", "--target", text])
+    assert result.exit_code == 2 and "write hf:OWNER/REPO/FILE.gguf" in result.stderr
+    assert repo.downloaded == []

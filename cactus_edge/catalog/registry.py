@@ -418,5 +418,29 @@ def default_models_dir() -> Path:
     return user_data_folder("models")
 
 
+HF_PREFIX = "hf:"
+
+
+def hub_shorthand(text: str, models_dir: Path | None = None) -> ModelSpec | None:
+    """The model ``hf:OWNER/REPO/FILE.gguf[@REVISION]`` names (None for any other name): FILE from
+    the Hugging Face repo OWNER/REPO at REVISION ("main" by default), kept under the models folder's
+    ``hf/`` and pinned by its first fetch like a registered Hugging Face model."""
+    if not text.startswith(HF_PREFIX):
+        return None
+    where, _, revision = text[len(HF_PREFIX) :].partition("@")
+    parts = where.split("/")
+    if len(parts) < 3 or not all(parts) or ".." in parts or not parts[-1].lower().endswith(".gguf"):
+        raise InvalidSettingError(
+            f"{text!r} is not a Hugging Face file: write hf:OWNER/REPO/FILE.gguf (optionally @REVISION)",
+            param="model",
+        )
+    repo, filename, revision = "/".join(parts[:2]), "/".join(parts[2:]), revision or "main"
+    source = HuggingFaceSource(repo, filename, revision)
+    file = f"hf/{repo}/{revision}/{filename}"
+    spec = ModelSpec(text, file, source, f"{filename} from huggingface.co/{repo}")
+    pins = read_local_registry(local_registry_file(models_dir)).get("pins", {})
+    return _apply_pin(spec, _parse_pin(text, pins[text])) if text in pins else spec
+
+
 def looks_like_path(name: str) -> bool:
     return name.endswith(".gguf") or os.sep in name or "/" in name or name.startswith(".")
