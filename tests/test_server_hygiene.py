@@ -631,3 +631,27 @@ def test_stopping_answers_a_request_still_arriving_at_once(serve, engine):
     status, headers, body = parse_response(data)
     assert status == 503 and headers["connection"] == "close"
     assert_envelope(body, "shutting_down")
+
+
+def test_a_refused_small_body_is_read_first_so_the_answer_is_not_lost(serve, engine):
+    """A request refused before its body is read (here a foreign Host) still has its small body read
+    and dropped before the answer: closing on unread bytes makes the kernel reset the connection,
+    and the client can lose the answer. Read, the connection even stays open for the next request."""
+    server = serve(engine)
+    body = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * 20_000}])).encode()
+    head = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: evil.example\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with connect(server) as sock:
+        sock.sendall(head)
+        time.sleep(0.05)  # the body arrives after the refusal was decided
+        sock.sendall(body)
+        sock.settimeout(WAIT)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < 20:
+            data += sock.recv(65536)
+        status, headers, _ = parse_response(data)
+        assert status == 403 and headers.get("connection") != "close"
+        sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n".encode())
+        assert b" 200 " in sock.recv(65536).split(b"\r\n")[0]  # the same connection answers again

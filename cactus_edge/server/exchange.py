@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import HTTPError
+
+# A refused request's body is read and dropped before the answer when it is this small and arrives
+# this fast: closing a socket that still holds unread bytes makes the kernel reset the connection,
+# and the client may lose the answer with it. A larger or slower body is not waited for.
+DRAIN_MAX_BYTES = 64 * 1024
+DRAIN_SECONDS = 0.5
 
 
 class Exchange:
@@ -55,4 +63,19 @@ class Exchange:
         await self.body(data)
 
     async def send_error(self, error: HTTPError) -> None:
+        await self.drain_small_body()
         await self.send_json(error.status, error.body(), error.headers)
+
+    async def drain_small_body(self) -> None:
+        """Read and drop an unread body of at most DRAIN_MAX_BYTES declared bytes, for at most
+        DRAIN_SECONDS (see DRAIN_MAX_BYTES)."""
+        length = self.headers.get("content-length", "")
+        if self.body_read or not length.isdigit() or int(length) > DRAIN_MAX_BYTES:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._drain(), DRAIN_SECONDS)
+
+    async def _drain(self) -> None:
+        while not self.body_read:
+            if (await self.receive())["type"] == "http.disconnect":
+                return
