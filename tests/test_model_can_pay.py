@@ -21,6 +21,13 @@ CAN_PAY = {
     "draft": {n: 2.0 + 0.1 * n for n in range(1, 6)},
 }
 
+# Verifying is free up to the longest block, but a draft decode has a large fixed cost: one draft
+# token cannot pay, four can.
+PAYS_ONLY_LONGER = {
+    "verify": {n: 100.0 for n in range(1, 10)},
+    "draft": {n: 100.0 + n for n in range(1, 6)},
+}
+
 
 def calibrated(table: dict) -> CostModel:
     costs = CostModel()
@@ -34,11 +41,11 @@ def calibrated(table: dict) -> CostModel:
 
 def test_the_planner_says_whether_the_model_can_pay():
     auto = GenerationConfig(n_draft="auto")
-    assert not DraftPlanner(auto, calibrated(CANNOT_PAY), {}).model_can_pay(12)
-    assert DraftPlanner(auto, calibrated(CAN_PAY), {}).model_can_pay(12)
-    assert DraftPlanner(auto, CostModel(), {}).model_can_pay(12)  # nothing measured yet: try it
+    assert not DraftPlanner(auto, calibrated(CANNOT_PAY), {}).model_can_pay()
+    assert DraftPlanner(auto, calibrated(CAN_PAY), {}).model_can_pay()
+    assert DraftPlanner(auto, CostModel(), {}).model_can_pay()  # nothing measured yet: try it
     fixed = GenerationConfig(n_draft=4)  # asked for: drafted whatever it costs
-    assert DraftPlanner(fixed, calibrated(CANNOT_PAY), {}).model_can_pay(12)
+    assert DraftPlanner(fixed, calibrated(CANNOT_PAY), {}).model_can_pay()
 
 
 class NoModel:
@@ -96,3 +103,14 @@ def test_a_generation_says_when_it_drafted_by_lookup_alone(engine, table, model_
     if model_off:
         assert engine.draft.n_past == 0  # never fed: no catch-up spent on it
     engine.reset_estimates()
+
+
+def test_a_short_room_at_one_step_does_not_switch_the_model_off():
+    """Whether the model can pay is the machine's answer, not one step's: a step with room for one
+    draft token (the end of the reply, or forced tokens before it) keeps the model for the rest."""
+    planner = DraftPlanner(GenerationConfig(n_draft="auto"), calibrated(PAYS_ONLY_LONGER), {})
+    model = CountingModel()
+    chooser = DraftSourceChooser("model+lookup", planner, model, LookupDrafter(50), StepProfiler())
+    chooser.propose(list(range(30)), room=1)
+    chooser.propose(list(range(31)), room=8)
+    assert not chooser.model_off and model.asked == 2

@@ -143,15 +143,17 @@ class DraftPlanner:
                 k = probe_k
         return k
 
-    def model_can_pay(self, room: int) -> bool:
-        """Whether the draft model could beat plain decoding at some draft length ≤ ``room`` on
-        this machine, even with every draft accepted and its decodes batched along a lookup guess
-        (its cheapest case). True until `auto` has measured both models' costs."""
+    def model_can_pay(self) -> bool:
+        """Whether the draft model could beat plain decoding at some draft length `auto` may choose
+        on this machine, even with every draft accepted and its decodes batched along a lookup
+        guess (its cheapest case). A property of the measured costs, not of one step's room. True
+        until `auto` has measured both models' costs."""
         if not (self.config.auto and {"target", "draft"} <= self.costs.calibrated):
             return True
         cheapest = self.costs.draft  # k guided drafts: one batch of k
         verify = self.costs.verify_ms
-        return any(could_pay(k, cheapest, verify, SPECULATION_MARGIN) for k in range(1, max(room, 1) + 1))
+        lengths = range(1, self.config.max_draft + 1)
+        return any(could_pay(k, cheapest, verify, SPECULATION_MARGIN) for k in lengths)
 
     def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):
         """k → estimated ms to draft k tokens from this source, catch-up spread over a run of
@@ -447,7 +449,7 @@ class DraftSourceChooser:
                 return self.lookup.propose(found[:n_draft], lookup_source)
         self.unfollow(len(found))  # the model drafts from committed, or nothing is proposed
         if self.name == "model+lookup" and not self.model_off:
-            self.model_off = not self.planner.model_can_pay(room)
+            self.model_off = not self.planner.model_can_pay()
         if self.name == "lookup" or self.model_off:
             return Proposal(guess=found, lookup_source=lookup_source)
         guess = found[: room - 1]
