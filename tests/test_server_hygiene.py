@@ -79,6 +79,19 @@ def read_until_closed(sock: socket.socket, limit: float) -> tuple[bool, float, b
     return False, time.monotonic() - begin, data
 
 
+def read_one_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One answer on a connection that stays open: its head, then its Content-Length body. Each
+    read waits at most the socket's timeout, and a closed connection fails the test."""
+    data = b""
+    while True:
+        _, found, body = data.partition(b"\r\n\r\n")
+        if found and len(body) >= int(parse_response(data)[1].get("content-length", "0")):
+            return parse_response(data)
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection; got {data[:200]!r}"
+        data += chunk
+
+
 def parse_response(data: bytes) -> tuple[int, dict[str, str], bytes]:
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -647,11 +660,7 @@ def test_a_refused_small_body_is_read_first_so_the_answer_is_not_lost(serve, eng
         sock.sendall(head)
         time.sleep(0.05)  # the body arrives after the refusal was decided
         sock.sendall(body)
-        sock.settimeout(WAIT)
-        data = b""
-        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < 20:
-            data += sock.recv(65536)
-        status, headers, _ = parse_response(data)
+        status, headers, _ = read_one_response(sock)
         assert status == 403 and headers.get("connection") != "close"
         sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n".encode())
-        assert b" 200 " in sock.recv(65536).split(b"\r\n")[0]  # the same connection answers again
+        assert read_one_response(sock)[0] == 200  # the same connection answers again

@@ -573,7 +573,7 @@ def comparison_verdict(speed: float, stats: GenerationStats, costs: CostModel) -
         costs_said += ", so a draft must be accepted nearly every time to pay."
     off = (
         " The draft model cannot pay on this machine, so the defaults drafted by lookup alone."
-        if (stats.draft_model_off)
+        if stats.draft_model_off
         else ""
     )
     return (
