@@ -234,6 +234,18 @@ def per_request_ratio(ours: list[dict], theirs: list[dict]) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def stop_server(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if the server is still there after 30 s."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def require_their_server() -> None:
     """SystemExit naming the install command when llama-cpp-python's server extra is missing
     (before anything loads: `python -m llama_cpp.server` would only fail once ours is up)."""
@@ -293,12 +305,8 @@ def main() -> None:
                         runs[name][(category, clients)].append(phase)
     finally:
         for process in (ours[0], theirs[0] if theirs else None):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            if process is not None:
+                stop_server(process)
     direct = {}
     if args.direct:  # after both servers are gone: nothing else computes meanwhile
         for category in categories:

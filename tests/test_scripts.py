@@ -104,16 +104,6 @@ def bench_server():
     return load_script("bench_server")
 
 
-def stop(process: subprocess.Popen) -> None:
-    """As the script stops its servers: SIGTERM, then SIGKILL if it is still there after 30 s."""
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 def test_bench_server_measures_our_server_and_the_engine_on_the_tiny_pair(bench_server, tiny_args, tmp_path):
     """Our server started by the script, its requests (one client, the mixed category, 8 tokens),
     a two-turn conversation, the in-process Engine (--direct) and the report. The report compares
@@ -133,7 +123,7 @@ def test_bench_server_measures_our_server_and_the_engine_on_the_tiny_pair(bench_
         phases = [bench_server.run_phase(url, model, args, 1, requests, 0) for _ in range(2)]
         conversation = bench_server.run_conversation(url, model, ["the cat sat", "and the dog ran"], args, 7)
     finally:
-        stop(process)
+        bench_server.stop_server(process)
     for phase in phases:
         assert [r["request"] for r in phase["results"]] == ["0.0", "10.0", "20.0", "30.0"]
         for r in phase["results"]:
