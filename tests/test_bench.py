@@ -632,3 +632,38 @@ def test_a_structured_bench_of_plain_decoding_alone_loads_no_draft_and_runs(tiny
     flags = ["--category", "structured", "--limit", "1", "--methods", "none", "--max-tokens", "8"]
     data = run_bench_command(tiny_args, tmp_path, *flags)
     assert set(data["summary"]) == {"none"} and data["runs"][0]["constrained"]
+
+
+def _timed(token_ms, stats=None):
+    from cactus_edge.cli.bench import TimedRun
+
+    return TimedRun("", token_ms[0], token_ms[-1] + 5.0, stats, tuple(token_ms))
+
+
+def test_compare_measures_equal_work_not_the_shorter_reply():
+    """Plain writes 200 tokens at 100 ms each, ours 100 at 80 ms each, the same first token: the
+    ratio of totals would say 2.5x; over the 100 tokens both wrote, ours is 1.25x faster."""
+    from cactus_edge.cli.bench import equal_work
+
+    plain = _timed([1000.0 + 100.0 * i for i in range(200)])
+    ours = _timed([1000.0 + 80.0 * i for i in range(100)])
+    compared = equal_work(plain, ours)
+    assert compared.n_tokens == 100
+    assert compared.speed == pytest.approx(100 / 80)
+    assert compared.first_token == pytest.approx(1.0)
+    assert compared.end_to_end == pytest.approx((1000 + 9900) / (1000 + 7920))
+    line = compared.line(200, 100)
+    assert "over the first 100 tokens of each reply (plain wrote 200, these settings 100)" in line
+    with pytest.raises(ValueError):
+        equal_work(plain, _timed([1000.0]))
+
+
+def test_generate_compare_prints_the_equal_work_line(tiny_pair):
+    from tests.test_cli import pair_args
+
+    result = CliRunner().invoke(
+        main, ["generate", "hi", *pair_args(tiny_pair), "--compare", "--max-tokens", "12", "--seed", "0"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "these settings vs plain over the first " in result.stdout, result.stdout
+    assert "speculation " in result.stdout

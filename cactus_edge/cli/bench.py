@@ -68,26 +68,33 @@ class Variant:
 @dataclass(frozen=True)
 class TimedRun:
     """One generation as a user waits for it: time to the first token and to the end (ms, wall
-    clock from the call, prefill included), the text and the statistics."""
+    clock from the call, prefill included), when each token arrived, the text and the statistics."""
 
     text: str
     ttft_ms: float
     total_ms: float
     stats: GenerationStats
+    token_ms: tuple[float, ...] = ()  # wall clock from the call to each token's arrival
+
+    def pace(self, n_tokens: int) -> tuple[float, float]:
+        """(ms to the first token, ms to token ``n_tokens``) from the call: the same amount of
+        work for two replies of different lengths, compared over their common length."""
+        return self.token_ms[0], self.token_ms[n_tokens - 1]
 
 
 def timed_generation(engine: Engine, prompt_tokens: Sequence[int], config: GenerationConfig) -> TimedRun:
     """Run one generation to its end, timing the first token and the whole."""
     start = time.perf_counter()
-    first, text = None, []
+    arrivals, text = [], []
     for event in engine.stream(prompt_tokens, config):
-        if first is None and event.token is not None:
-            first = time.perf_counter()
+        if event.token is not None:
+            arrivals.append((time.perf_counter() - start) * 1000)
         text.append(event.text)
         if event.finish_reason is not None:
             stats = event.stats
-    end = time.perf_counter()
-    return TimedRun("".join(text), ((first or end) - start) * 1000, (end - start) * 1000, stats)
+    total_ms = (time.perf_counter() - start) * 1000
+    ttft_ms = arrivals[0] if arrivals else total_ms
+    return TimedRun("".join(text), ttft_ms, total_ms, stats, tuple(arrivals))
 
 
 def make_variants(
@@ -552,6 +559,38 @@ def write_results(
         progress("no plots: pip install 'cactus-edge[plots]'")
     data = {"settings": settings, "summary": summary, "costs": costs, "runs": records}
     (folder / "bench.json").write_text(json.dumps(data, indent=2))
+
+
+@dataclass(frozen=True)
+class EqualWork:
+    """Two replies to one prompt compared over the tokens both wrote: the first ``n_tokens`` of
+    each, so that a shorter reply is not counted as faster for writing less."""
+
+    n_tokens: int
+    speed: float  # tokens/s after the first token, ours ÷ plain
+    first_token: float  # time to the first token, ours ÷ plain
+    end_to_end: float  # how many times faster ours reached token n_tokens, call included
+
+    def line(self, plain_tokens: int, our_tokens: int) -> str:
+        return (
+            f"these settings vs plain over the first {self.n_tokens} tokens of each reply "
+            f"(plain wrote {plain_tokens}, these settings {our_tokens}): {self.speed:.2f}x tokens/s, "
+            f"first token {self.first_token:.2f}x, end to end {self.end_to_end:.2f}x faster"
+        )
+
+
+def equal_work(plain: TimedRun, ours: TimedRun) -> EqualWork:
+    """Compare two runs over their common length (see :class:`EqualWork`)."""
+    n_tokens = min(len(plain.token_ms), len(ours.token_ms))
+    if n_tokens < 2:
+        raise ValueError("a comparison needs two tokens from each reply")
+    (plain_first, plain_last), (our_first, our_last) = plain.pace(n_tokens), ours.pace(n_tokens)
+    return EqualWork(
+        n_tokens=n_tokens,
+        speed=(plain_last - plain_first) / max(our_last - our_first, 1e-9),
+        first_token=our_first / max(plain_first, 1e-9),
+        end_to_end=plain_last / max(our_last, 1e-9),
+    )
 
 
 NOISE = 0.05  # ratios within this of 1 are inside the spread between runs on our machines

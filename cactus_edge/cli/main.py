@@ -103,8 +103,9 @@ def generate(prompt, model, system, chat, as_json, profile, compare, **flags) ->
 
 def _compare(engine, prompt_tokens: list[int], config) -> None:
     """`generate --compare`: plain decoding, then ``config``, each from empty caches with the same
-    seed after one warm-up (weights paged in, `auto` calibrated); both summaries and the ratios."""
-    from .bench import comparison_verdict, timed_generation
+    seed after one warm-up (weights paged in, `auto` calibrated); both summaries, then the ratios
+    over the tokens both replies wrote (equal work, whatever their lengths)."""
+    from .bench import comparison_verdict, equal_work, timed_generation
 
     engine.warm_up()
     runs = {}
@@ -113,13 +114,13 @@ def _compare(engine, prompt_tokens: list[int], config) -> None:
         run = runs[label] = timed_generation(engine, prompt_tokens, run_config)
         click.echo(f"{label}: {run.stats.summary_line()}, first token {run.ttft_ms:.0f} ms", err=True)
     plain, ours = runs["plain"], runs["these settings"]
-    speed = ours.stats.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
-    first = ours.ttft_ms / max(plain.ttft_ms, 1e-9)
-    click.echo(
-        f"these settings vs plain: {speed:.2f}x tokens/s, first token {first:.2f}x, "
-        f"end to end {plain.total_ms / max(ours.total_ms, 1e-9):.2f}x faster"
-    )
-    click.echo(comparison_verdict(speed, ours.stats, engine.costs))
+    try:
+        compared = equal_work(plain, ours)
+    except ValueError:
+        click.echo("no comparison: a reply ended before its second token (raise --max-tokens)")
+        return
+    click.echo(compared.line(plain.stats.n_tokens, ours.stats.n_tokens))
+    click.echo(comparison_verdict(compared.speed, ours.stats, engine.costs))
 
 
 @main.command()
