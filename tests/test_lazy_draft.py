@@ -93,7 +93,11 @@ def test_generate_compare_runs_plain_then_the_settings_and_prints_the_ratio(tiny
     assert re.match(r"these settings: \[cactus\] \d+ tokens, .*, first token \d+ ms$", lines[2])
     ratio = r"\d+\.\d\dx tokens/s, first token \d+\.\d\dx, end to end \d+\.\d\dx faster"
     ratio_line, verdict = result.stdout.strip().splitlines()
-    assert re.fullmatch(f"these settings vs plain: {ratio}", ratio_line)
+    compared = r"over the first (\d+) tokens of each reply \(plain wrote (\d+), these settings (\d+)\)"
+    match = re.fullmatch(f"these settings vs plain {compared}: {ratio}", ratio_line)
+    assert match, ratio_line
+    n_compared, n_plain, n_ours = map(int, match.groups())
+    assert n_compared == min(n_plain, n_ours) >= 2  # equal work: the tokens both replies wrote
     said = r"speculation (paid here|did not pay here \(\d+\.\d\dx; .*\)): \d+% of the reply"
     assert re.match(said, verdict)
 

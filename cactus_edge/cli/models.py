@@ -1,4 +1,4 @@
-"""`cactus-edge models`: list, fetch, verify, re-quantize and inspect GGUF models."""
+"""`cactus-edge models`: list, fetch, verify, re-quantize, inspect and remove GGUF models."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .options import handle_errors
 
 @click.group()
 def models() -> None:
-    """List, fetch, verify, inspect and re-quantize GGUF models."""
+    """List, fetch, verify, inspect, re-quantize and remove GGUF models."""
 
 
 MODELS_HEADING = "models (size: on disk when fetched, else to download):"
@@ -103,6 +103,18 @@ def models_verify(names: tuple[str, ...]) -> None:
             failed.append(f"{spec.name} ({result.path}: {result.problem})")
     if failed:
         raise IntegrityError(f"{len(failed)} model(s) failed verification: {'; '.join(failed)}")
+
+
+@models.command("rm")
+@click.argument("name")
+@handle_errors
+def models_rm(name: str) -> None:
+    """Delete a model's file from the models folder. A model of this machine (models quantize, an
+    hf: name) loses its local registry entry too; a packaged model keeps its entry (fetch it again
+    any time). A pair is refused: remove its models."""
+    from ..catalog.fetch import remove_model
+
+    click.echo(remove_model(name).describe())
 
 
 @models.command("quantize")

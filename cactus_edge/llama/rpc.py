@@ -32,8 +32,8 @@ _HELLO_REPLY_SIZE = 4 + _CAPS_SIZE  # major, minor, patch, padding, caps
 DEFAULT_PORT = 50052
 REBUILD_HINT = (
     "rebuild llama-cpp-python with ggml's RPC backend: "
-    "CMAKE_ARGS='-DGGML_RPC=ON' pip install --force-reinstall --no-cache-dir llama-cpp-python "
-    "(or ./scripts/setup, which always builds it)"
+    "CMAKE_ARGS='-DGGML_RPC=ON' pip install --force-reinstall --no-cache-dir 'llama-cpp-python==0.3.36' "
+    "(on x86_64 Linux add the -mno-amx flags of docs/install.md; or ./scripts/setup, which does both)"
 )
 
 

@@ -76,7 +76,7 @@ class ServerSettings:
     model_name: str = _flag(
         MODEL_ALIAS,
         f"Model id /v1/models lists and requests may name ('{MODEL_ALIAS}' always works too).",
-        command_default="the target file's name",
+        command_default="the target's registered name, or its file name without .gguf",
         metavar="ID",
     )
     base_config: GenerationConfig = field(default_factory=GenerationConfig)
