@@ -96,6 +96,12 @@ class ContextLengthError(CactusEdgeError):
     exit_code = 4
 
 
+class CacheFolderError(CactusEdgeError):
+    """A prompt cache folder that cannot be created or written (said at start, never mid-request)."""
+
+    exit_code = 2
+
+
 class FetchError(CactusEdgeError):
     """Downloading or assembling a model failed; nothing was left under the final name."""
 

@@ -658,12 +658,30 @@ def test_compare_measures_equal_work_not_the_shorter_reply():
         equal_work(plain, _timed([1000.0]))
 
 
-def test_generate_compare_prints_the_equal_work_line(tiny_pair):
+def test_switching_workload_returns_to_each_conversation_from_the_prompt_cache(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """bench --workload switching on the tiny pair: from the second round on, every request
+    restores its conversation from memory and is compared with its own cold first token."""
+    from cactus_edge.cli import switching
+    from cactus_edge.engine import prompt_cache
     from tests.test_cli import pair_args
 
-    result = CliRunner().invoke(
-        main, ["generate", "hi", *pair_args(tiny_pair), "--compare", "--max-tokens", "12", "--seed", "0"]
-    )
+    words = ["the", "water", "is", "hot", "and", "cold", "code", "python", "word", "people", "were"]
+    blocks = [" ".join(words[i:] + words[:i]) * 3 for i in range(len(words))]
+    monkeypatch.setattr(switching, "code_blocks", lambda: blocks)
+    monkeypatch.setattr(switching, "MIN_OPENING_CHARS", 300)
+    monkeypatch.setattr(prompt_cache.PromptCache.__init__, "__defaults__", (16,))  # min_tokens
+    args = ["bench", *pair_args(tiny_pair), "--n-ctx", "512", "--workload", "switching", "--rounds", "2"]
+    args += ["--max-tokens", "4", "--temperature", "0", "--out", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "these settings vs plain over the first " in result.stdout, result.stdout
-    assert "speculation " in result.stdout
+    data = json.loads((tmp_path / "switching.json").read_text())["requests"]
+    assert [(r["round"], r["conversation"]) for r in data] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    first_round = {r["conversation"]: r for r in data if r["round"] == 0}
+    for request in data:
+        assert request["cold_ttft_ms"] > 0
+        if request["round"]:  # at least the previous question came back
+            assert request["source"] == "memory"
+            assert request["cached_tokens"] >= first_round[request["conversation"]]["prompt_tokens"]
+    assert "| 2 | 3 |" in (tmp_path / "switching.md").read_text()

@@ -150,3 +150,28 @@ def test_bench_server_without_the_server_extra_says_what_to_install(tiny_args, t
     assert result.returncode == 1, output(result)
     assert "pip install 'llama-cpp-python[server]'" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "bench-out").exists()  # it stopped before starting anything
+
+
+# --- bench_switching.py ----------------------------------------------------------------------------
+
+
+def test_bench_switching_returns_to_conversations_through_our_server(tiny_args, tmp_path):
+    """Our server started by the script, two long conversations asked in turn twice: the returns
+    report the earlier turn's tokens as reused (the prompt cache), and the table compares rounds.
+    (llama-server is not built here: the table is checked with our rows alone.)"""
+    bench_switching = load_script("bench_switching")
+    args = bench_switching.script_parser("").parse_args([*tiny_args, *THREADS])
+    openings = ["the water is hot and " * 30, "and hot is water the " * 30]
+    process, url = bench_switching.start_ours(args)
+    try:
+        records = bench_switching.run_server(url, "cactus-edge", openings, 2, 4, "cactus-edge serve")
+    finally:
+        bench_switching.stop_server(process)
+    assert [(r["round"], r["conversation"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    first_round = {r["conversation"]: r for r in records if r["round"] == 0}
+    for record in records:
+        assert record["ttft_ms"] > 0 and record["prompt_tokens"] > 300
+        if record["round"]:  # the whole earlier turn came back, not only the system prompt
+            assert record["cached"] >= first_round[record["conversation"]]["prompt_tokens"]
+    table = bench_switching.table(records)
+    assert "| cactus-edge serve |" in table and "later / first" in table

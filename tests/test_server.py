@@ -18,6 +18,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -822,3 +823,27 @@ def test_metrics_text(http):
         'cactus_edge_response_kl_mean_bucket{le="+Inf"}',
     ):
         assert name in text
+
+
+def _long_conversation(seed: int) -> list[dict]:
+    words = ("the", "water", "is", "hot", "and", "cold", "code", "python", "word", "people", "were", "may")
+    rng = np.random.default_rng(seed)
+    return [{"role": "user", "content": " ".join(rng.choice(words, 60))}]
+
+
+def test_returning_to_a_conversation_comes_back_from_the_prompt_cache(server, client, http):
+    """Over loopback with the OpenAI client: A, B, then A again restores A (cached_tokens), and
+    /metrics counts the hit."""
+    server.app.engine.prompt_cache.min_tokens = 16
+    first, other = _long_conversation(1), _long_conversation(2)
+    ask = dict(model=MODEL, max_tokens=3, extra_body=GREEDY)
+    cold = client.chat.completions.create(messages=first, **ask)
+    client.chat.completions.create(messages=other, **ask)
+    hits_before = server.app.engine.prompt_cache.counters.hits
+    again = client.chat.completions.create(messages=first, **ask)
+    assert again.choices[0].message.content == cold.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert server.app.engine.prompt_cache.counters.hits == hits_before + 1
+    text = http.get("/metrics").text
+    for name in ("prompt_cache_hits_total", "prompt_cache_bytes", "prompt_cache_evictions_total"):
+        assert f"cactus_edge_{name}" in text

@@ -224,7 +224,23 @@ async def test_calls_saved_counts_calls_against_plain_decoding(script, n_draft, 
         drafted = sum(from_draft for _, from_draft in script)
         assert app.last_stats.n_verifier_calls == len(script) + 1 - drafted
         status = str(app.screen.query_one(StatusBar).render())
-        assert status == f"sps · {figures} · calls saved: {drafted}"
+        assert status == f"sps · {figures} · first token 0.0 s · calls saved: {drafted}"
+
+
+def test_the_status_bar_says_when_the_prompt_came_back_from_memory_and_fits_80_columns():
+    bar = StatusBar()
+    stats = GenerationStats(method="cactus", lossy=True, prompt_cache="memory", prompt_cache_restore_ms=150.0)
+    stats.record(StepStats(0, 0, 0.0, 0.0, 250.0, None, "", 0, 0), prefill=True)
+    stats.record(StepStats(4, 3, 10.0, 20.0, 40.0, 0.01234, "model", 4, 0))
+    stats.n_tokens = 5
+    config = GenerationConfig(n_draft="auto")
+    shown = []
+    bar.update = shown.append
+    bar.show(config, stats)
+    assert "first token 0.4 s (memory)" in shown[-1] and len(shown[-1]) <= 80
+    bar.show(config, stats, streaming=True)
+    assert shown[-1].endswith("esc stops") and len(shown[-1]) <= 80
+    assert "KL" not in shown[-1]  # the last figure left out to fit
 
 
 def test_calls_saved_leaves_out_drafts_accepted_past_the_end():
@@ -429,6 +445,41 @@ async def test_real_engine_on_the_tiny_pair(tiny_pair):
         status = str(app.screen.query_one(StatusBar).render())
         assert "tok/s" in status and "AL" in status
     assert app.engine is None  # the app closed it on the way out
+
+
+async def test_a_saved_conversation_comes_back_with_its_kv_cache_after_a_restart(
+    tiny_pair, tmp_path, monkeypatch
+):
+    """/save keeps the conversation's KV cache in the cache folder; a new app (a restart) that
+    /loads it and asks again restores the prompt from disk instead of prefilling it."""
+    from cactus_edge.engine.engine import Engine
+
+    monkeypatch.setattr(conversations_module, "conversations_dir", lambda: tmp_path / "saved")
+
+    def factory():
+        engine = Engine.load(
+            str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS, cache_dir=tmp_path / "kv"
+        )
+        engine.prompt_cache.min_tokens = 16
+        return engine
+
+    config = GenerationConfig(n_draft=3, max_tokens=8, seed=0, temperature=0.0)
+    long_message = "the water is hot and the code is cold " * 12
+    app = CactusChatApp(factory, config)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        await say(pilot, long_message, timeout=120)
+        await enter(pilot, "/save kept")
+        await wait_for(pilot, lambda: list((tmp_path / "kv").glob("*.kvc")), 60)
+    restarted = CactusChatApp(factory, config)
+    async with restarted.run_test(size=(80, 24)) as pilot:
+        await started(pilot)
+        await enter(pilot, "/load kept")
+        await wait_for(pilot, lambda: restarted.messages)
+        await say(pilot, "and then", timeout=120)
+        assert restarted.last_stats.prompt_cache == "disk"
+        assert restarted.last_stats.n_prompt_decoded < 40  # the new turn, not the whole conversation
+        assert "(disk)" in str(restarted.screen.query_one(StatusBar).render())
 
 
 def test_the_app_loads_without_llama_cpp():

@@ -174,4 +174,17 @@ class CactusChatApp(App):
     def action_save_conversation(self, name: str | None = None) -> Path:
         path = save_transcript(self.session.transcript(), self.config, name)
         self.notify(f"Saved {path}")
+        if self.engine is not None and hasattr(self.engine, "keep_conversation"):
+            self.keep_conversation(self.engine)
         return path
+
+    @work(thread=True, exclusive=True, group="keep")
+    def keep_conversation(self, engine) -> None:
+        """Keep the conversation's KV cache too, off the event loop, so that /load (or a restart)
+        resumes it without prefilling; skipped while a reply streams (EngineBusy)."""
+        try:
+            kept = engine.keep_conversation(timeout=2)
+        except CactusEdgeError:
+            return
+        if kept:
+            self.call_from_thread(self.notify, "Its KV cache is kept too: /load resumes without prefill")

@@ -175,9 +175,11 @@ def calls_saved(stats) -> int:
 class StatusBar(Static):
     """Live figures of the current reply."""
 
+    WIDTH = 80
+
     def show(self, config, stats=None, streaming: bool = False) -> None:
         """One line that fits 80 columns: the method, then the live figures of the reply (or the
-        sampling settings between replies)."""
+        sampling settings between replies); figures that do not fit are left out, the last first."""
         method = f"cactus δ={config.delta:g}" if config.method == "cactus" else config.method
         draft_length = f"k={config.n_draft}"
         if config.n_draft == "auto" and stats is not None and stats.steps:
@@ -185,16 +187,23 @@ class StatusBar(Static):
         parts = [method, draft_length]
         if config.drafter != DEFAULT_DRAFTER:  # the usual drafter goes without saying
             parts.append(config.drafter)
+        optional = []
         if stats is not None and stats.n_verifier_calls:
-            parts += [
-                f"{stats.tokens_per_second:.1f} tok/s",
-                f"AL {stats.acceptance_length:.2f}",
-                f"calls saved: {calls_saved(stats)}",
-            ]
+            parts += [f"{stats.tokens_per_second:.1f} tok/s", f"AL {stats.acceptance_length:.2f}"]
+            optional += [first_token(stats), f"calls saved: {calls_saved(stats)}"]
             if stats.kl_mean is not None and stats.lossy:
-                parts.append(f"KL {stats.kl_mean:.3f}")
+                optional.append(f"KL {stats.kl_mean:.3f}")
         else:
             parts.append(f"T={config.temperature:g} top-k {config.top_k} top-p {config.top_p:g}")
-        if streaming:
-            parts.append("esc stops")
-        self.update(" · ".join(parts))
+        ending = ["esc stops"] if streaming else []
+        for part in optional:
+            if len(" · ".join([*parts, part, *ending])) <= self.WIDTH:
+                parts.append(part)
+        self.update(" · ".join([*parts, *ending]))
+
+
+def first_token(stats) -> str:
+    """How long the reply's first token took, and where its prompt came back from when it did."""
+    seconds = stats.first_token_ms / 1000
+    kept = f" ({stats.prompt_cache})" if stats.prompt_cache in ("memory", "disk") else ""
+    return f"first token {seconds:.1f} s{kept}"

@@ -136,6 +136,12 @@ def chat(model, system, **flags) -> None:
 
     config = model.fit(build_config(**flags))
     drafter = defaults.DEFAULT_DRAFTER if model.has_draft() else "lookup"
+    if model.cache_dir is None:  # saved conversations keep their KV cache here, across restarts
+        import dataclasses
+
+        from ..files import user_cache_folder
+
+        model = dataclasses.replace(model, cache_dir=str(user_cache_folder("prompt-cache")))
 
     def engine_factory():
         # Chat switches methods and drafters between turns (/method, /drafter): load the draft
@@ -226,9 +232,31 @@ def chat(model, system, **flags) -> None:
     help="Folder for bench.json and bench.md.",
 )
 @click.option("--profile", is_flag=True, help="Add where each variant's step time went to bench.md.")
+@click.option(
+    "--workload",
+    type=click.Choice(["prompts", "switching"]),
+    default="prompts",
+    show_default=True,
+    help="prompts: each method against plain decoding. switching: long conversations asked in turn, "
+    "each request's first token against its own cold run (the prompt cache).",
+)
+@click.option(
+    "--conversations",
+    type=click.IntRange(min=2),
+    default=3,
+    show_default=True,
+    help="With --workload switching: conversations asked in turn.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=2),
+    default=3,
+    show_default=True,
+    help="With --workload switching: questions asked of each conversation.",
+)
 @handle_errors
 def bench(
-    model, methods, deltas, n_drafts, drafters, tas_thresholds, kl_budgets, out, profile, **flags
+    model, methods, deltas, n_drafts, drafters, tas_thresholds, kl_budgets, out, profile, workload, **flags
 ) -> None:
     """Speed, acceptance and fidelity of each method vs plain decoding, interleaved per prompt."""
     import platform
@@ -236,6 +264,9 @@ def bench(
     from ..machine import cpu_model_name
     from . import bench as lab
 
+    if workload == "switching":
+        _bench_switching(model, methods, deltas, n_drafts, drafters, out, flags)
+        return
     prompts = lab.select_prompts(
         flags["prompts_file"], flags["category"], flags["per_category"], flags["limit"]
     )
@@ -262,6 +293,38 @@ def bench(
     chosen = {"pair": model.pair, "draft": model.draft, "target": model.target, "n_ctx": model.n_ctx}
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     lab.write_results(Path(out), table, summary, {**settings, **chosen}, costs, records, echo)
+    click.echo(table)
+
+
+def _bench_switching(model, methods, deltas, n_drafts, drafters, out, flags) -> None:
+    """`bench --workload switching` with the first of each list (--methods, --deltas, …)."""
+    import dataclasses
+    import platform
+
+    from ..machine import cpu_model_name
+    from . import switching
+
+    settings = sampling_settings(flags)
+    config = build_config(
+        method=methods[0], delta=deltas[0], n_draft=n_drafts[0], drafter=drafters[0], **settings
+    )
+    echo = lambda line: click.echo(line, err=True)  # noqa: E731
+    with model.load(config.method, config.drafter) as engine:
+        cold_choice = dataclasses.replace(model, cache_ram=0)
+        with cold_choice.load(config.method, config.drafter) as cold_engine:
+            engine.warm_up()
+            cold_engine.warm_up()
+            records = switching.run_switching(
+                engine, cold_engine, config, flags["conversations"], flags["rounds"], echo
+            )
+    title = (
+        f"{model.pair or 'custom'} pair · {flags['conversations']} conversations x {flags['rounds']} "
+        f"rounds · {config.method}, --cache-ram {model.cache_ram} · {settings['max_tokens']} tokens · "
+        f"{cpu_model_name()}, {platform.machine()} {platform.system()}\n\n"
+    )
+    table = switching.switching_table(records, title)
+    chosen = {"pair": model.pair, "draft": model.draft, "target": model.target, "n_ctx": model.n_ctx}
+    switching.write_switching(Path(out), table, records, {**settings, **chosen, "cache_ram": model.cache_ram})
     click.echo(table)
 
 

@@ -65,6 +65,9 @@ class ModelChoice:
     rpc: str | None = None
     tensor_split: tuple[float, ...] = ()
     rpc_timeout: float | None = None
+    cache_ram: int = defaults.DEFAULT_CACHE_MIB
+    cache_dir: str | None = None
+    cache_disk: int = defaults.DEFAULT_CACHE_DISK_MIB
 
     def __post_init__(self) -> None:
         if self.pair and (self.draft or self.target):
@@ -120,6 +123,9 @@ class ModelChoice:
             rpc_servers=self.rpc,
             tensor_split=self.tensor_split,
             rpc_timeout=self.rpc_timeout,
+            cache_ram_mib=self.cache_ram,
+            cache_dir=self.cache_dir,
+            cache_disk_mib=self.cache_disk,
         )
 
     @functools.cached_property
@@ -224,6 +230,30 @@ def model_options(command):
             default=None,
             help="Seconds one call to the workers may take before a worker counts as lost [default: 60].",
         ),
+        click.option(
+            "--cache-ram",
+            metavar="MIB",
+            type=click.IntRange(min=0),
+            default=defaults.DEFAULT_CACHE_MIB,
+            show_default=True,
+            help="MiB of memory for the prompt cache, which keeps earlier conversations' caches so that "
+            "returning to one prefills only what is new (0: off).",
+        ),
+        click.option(
+            "--cache-dir",
+            metavar="DIR",
+            type=click.Path(file_okay=False),
+            default=None,
+            help="Keep the prompt cache's evicted conversations in this folder too (kept across restarts).",
+        ),
+        click.option(
+            "--cache-disk",
+            metavar="MIB",
+            type=click.IntRange(min=1),
+            default=defaults.DEFAULT_CACHE_DISK_MIB,
+            show_default=True,
+            help="With --cache-dir: MiB of files the folder may hold.",
+        ),
     ]
 
     @functools.wraps(command)
@@ -239,10 +269,14 @@ def model_options(command):
         rpc,
         tensor_split,
         rpc_timeout,
+        cache_ram,
+        cache_dir,
+        cache_disk,
         **kwargs,
     ):
         model = ModelChoice(
-            pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, rpc, tensor_split, rpc_timeout
+            pair, draft, target, n_ctx, threads, n_gpu_layers, verbose, rpc, tensor_split, rpc_timeout,
+            cache_ram, cache_dir, cache_disk,
         )
         return command(*args, model=model, **kwargs)
 

@@ -27,6 +27,12 @@ DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_K = 20
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.0
+# The prompt cache's bound. 1 GiB holds about 20 conversations of 1.3k tokens with the default pair
+# (about 28 KiB of KV per token for the 1.5B target and 12 KiB for the 0.5B draft): the
+# conversations a chat app or an agent switches between, at an eighth of llama-server's 8 GiB.
+DEFAULT_CACHE_MIB = 1024
+# The bound of a prompt cache folder (--cache-dir): disk is cheaper than memory.
+DEFAULT_CACHE_DISK_MIB = 4096
 # Typical acceptance's defaults (Medusa, vLLM).
 DEFAULT_POSTERIOR_THRESHOLD = 0.09
 DEFAULT_POSTERIOR_ALPHA = 0.3

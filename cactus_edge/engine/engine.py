@@ -38,12 +38,14 @@ from ..constraints.templates import Prompts
 from ..errors import ContextLengthError, InvalidSettingError
 from ..llama.model import Model
 from ..rules.draft_length import CostModel
+from .cache_files import CacheFolder, check_cache_folder
 from .calibration import measure_engine_costs
-from .config import GenerationConfig
+from .config import DEFAULT_CACHE_DISK_MIB, DEFAULT_CACHE_MIB, GenerationConfig
 from .events import GenerationResult, StreamEvent
 from .generation import Generation, collect
 from .lifecycle import Guard, Lifecycle
 from .loading import ForeignTokens, load_models
+from .prompt_cache import PromptCache, keep_live
 from .stats import GenerationStats, StepStats
 
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
@@ -54,7 +56,15 @@ class Engine:
     Build one from loaded models (tests inject their own), or with :meth:`load` / :meth:`from_pair`,
     which resolve names and check the pair first (:func:`load_models`)."""
 
-    def __init__(self, target: Model, draft: Model | None = None) -> None:
+    def __init__(
+        self,
+        target: Model,
+        draft: Model | None = None,
+        *,
+        cache_ram_mib: int = DEFAULT_CACHE_MIB,
+        cache_dir: str | Path | None = None,
+        cache_disk_mib: int = DEFAULT_CACHE_DISK_MIB,
+    ) -> None:
         if draft is not None and draft.vocab_size < target.vocab_size:
             draft.foreign_tokens = ForeignTokens(draft, target)
         if not isinstance(target, Model) or not isinstance(draft, (Model, type(None))):
@@ -65,12 +75,41 @@ class Engine:
         self._life = Lifecycle()
         self.grammars = CompiledGrammars(target.grammar_tokenizer, target.vocab_size)
         self.last_shaper: LogitShaper | None = None  # for check_caches
+        self.prompt_cache = PromptCache(_checked_cache_mib(cache_ram_mib, "cache_ram_mib") * 2**20)
+        if cache_dir is not None:
+            disk_bytes = _checked_cache_mib(cache_disk_mib, "cache_disk_mib") * 2**20
+            self.prompt_cache.folder = CacheFolder(Path(cache_dir), self._roles(), disk_bytes)
         self.reset_estimates()
 
     @classmethod
-    def load(cls, draft: str | Path | None, target: str | Path, **settings) -> Engine:
-        """An engine over models given by path or registered name; see :func:`load_models`."""
-        return cls(*load_models(draft, target, **settings))
+    def load(
+        cls,
+        draft: str | Path | None,
+        target: str | Path,
+        *,
+        cache_ram_mib: int = DEFAULT_CACHE_MIB,
+        cache_dir: str | Path | None = None,
+        cache_disk_mib: int = DEFAULT_CACHE_DISK_MIB,
+        **settings,
+    ) -> Engine:
+        """An engine over models given by path or registered name; see :func:`load_models`.
+        cache_ram_mib: the prompt cache's bound in memory (0: off); cache_dir: a folder that keeps
+        evicted entries and the conversations :meth:`keep_conversation` keeps, at most
+        cache_disk_mib of them. Bad values and an unwritable folder are refused before any model
+        loads."""
+        _checked_cache_mib(cache_ram_mib, "cache_ram_mib")
+        if cache_dir is not None:
+            _checked_cache_mib(cache_disk_mib, "cache_disk_mib")
+            check_cache_folder(Path(cache_dir))
+        models = load_models(draft, target, **settings)
+        try:
+            return cls(
+                *models, cache_ram_mib=cache_ram_mib, cache_dir=cache_dir, cache_disk_mib=cache_disk_mib
+            )
+        except BaseException:
+            for model in filter(None, models):
+                model.close()
+            raise
 
     @classmethod
     def from_pair(cls, name: str | None = None, **kwargs) -> Engine:
@@ -110,6 +149,18 @@ class Engine:
     def closing(self) -> bool:
         """Closed or closing: a running generation ends at its next step."""
         return self._life.closing.is_set()
+
+    def _roles(self) -> dict[str, Model]:
+        """The models by role ("target", "draft"), as the prompt cache names them."""
+        return {role: model for role, model in (("target", self.target), ("draft", self.draft)) if model}
+
+    def keep_conversation(self, timeout: float | None = None) -> bool:
+        """Write the live caches (the last conversation) to the cache folder now, so that a later
+        engine, after a restart, restores it instead of prefilling; False when there is no folder,
+        nothing worth keeping, or the disk refused (a warning says why)."""
+        self._life.check_open()
+        with self._guard.hold(timeout):
+            return keep_live(self._roles(), self.prompt_cache)
 
     @property
     def models(self) -> list[Model]:
@@ -231,13 +282,15 @@ class Engine:
             yield from generation.events()
 
     def clear_caches(self, timeout: float | None = None) -> None:
-        """Empty both KV caches: with a fixed draft length the next reply then depends on prompt,
-        config and seed alone (a reused prefix changes llama.cpp's rounding). timeout: as stream's."""
+        """Empty both KV caches and the prompt cache: with a fixed draft length the next reply then
+        depends on prompt, config and seed alone (a reused prefix changes llama.cpp's rounding).
+        timeout: as stream's."""
         self._life.check_open()
         with self._guard.hold(timeout):
             self._life.check_open()
             for model in filter(None, (self.target, self.draft)):
                 model.reset()
+            self.prompt_cache.clear()
 
     def check_caches(self, expected: Sequence[int] | None = None) -> list[str]:
         """Problems with the caches, [] when consistent: llama.cpp's position range must equal our
@@ -289,6 +342,12 @@ class Engine:
                 f"the prompt has {len(prompt_tokens)} tokens but the context holds {n_ctx} "
                 "(with room for at least one generated token); shorten it or raise --n-ctx"
             )
+
+
+def _checked_cache_mib(value, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidSettingError(f"{name} must be 0 or a whole number of MiB, not {value!r}", param=name)
+    return value
 
 
 def _grammar_param(config: GenerationConfig) -> str:

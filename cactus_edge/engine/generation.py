@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +22,7 @@ from .drafters import DraftPlanner, DraftSourceChooser, LookupDrafter, ModelDraf
 from .events import GenerationResult, StreamEvent
 from .lookup import point_mass_rows
 from .output import Output
+from .prompt_cache import common_prefix, prepare_caches
 from .stats import GenerationStats, StepProfiler, StepStats
 
 if TYPE_CHECKING:
@@ -63,14 +64,20 @@ class Generation:
             self.settle()
 
     def reuse_prefixes(self) -> None:
-        """Cut every cache back to the longest prefix of committed[:-1] it holds; decode nothing.
-        The first step (plain) decodes the target's missing prompt tokens: one forward pass to the
-        first token, as in plain decoding. The draft catches up when a step first drafts with it
-        (:class:`ModelDrafter`): a request that never drafts with it never prefills it."""
+        """Leave every cache holding the longest prefix of committed[:-1] that it or the prompt
+        cache has (:func:`prepare_caches`); decode nothing. The first step (plain) decodes the
+        target's missing prompt tokens: one forward pass to the first token, as in plain decoding.
+        The draft catches up when a step first drafts with it (:class:`ModelDrafter`): a request
+        that never drafts with it never prefills it."""
         for model in self.engine.models:
             model.sync_cache()  # cheap insurance: llama.cpp holds exactly what the mirror says
-            model.truncate(common_prefix(model.tokens, self.committed[:-1]))
+        roles = {"target": self.target, "draft": self.engine.draft}
+        models = {role: model for role, model in roles.items() if model is not None}
+        prepared = prepare_caches(models, self.engine.prompt_cache, self.committed[:-1])
         self.stats.n_prompt_decoded = len(self.committed) - self.target.n_past
+        self.stats.prompt_cache = prepared.source
+        self.stats.prompt_cache_restore_ms = prepared.restore_ms
+        self.stats.prompt_cache_save_ms = prepared.save_ms
 
     def decode_loop(self):
         """Steps until a finish; yields the events it hands out, returns the finish reason."""
@@ -261,12 +268,3 @@ def collect(events: Iterator[StreamEvent]) -> GenerationResult:
                 "".join(text), tokens, event.finish_reason, event.stats, logprobs if logprobs else None
             )
     raise RuntimeError("stream ended without a final event")  # pragma: no cover
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

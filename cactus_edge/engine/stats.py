@@ -88,6 +88,9 @@ class GenerationStats:
     n_accepted: int = 0
     n_forced: int = 0  # accepted draft tokens that the grammar forced (included in n_accepted)
     draft_model_off: bool = False  # model+lookup drafted by lookup alone: the model cannot pay here
+    prompt_cache: str | None = None  # where the reused prompt prefix came from: "live", "memory" or None
+    prompt_cache_restore_ms: float = 0.0  # restoring a saved cache before the prefill
+    prompt_cache_save_ms: float = 0.0  # saving the live cache the prompt discarded
     accepted_by_position: list[int] = field(default_factory=list)
     tried_by_position: list[int] = field(default_factory=list)
     prefill_ms: float = 0.0  # the first step: the prompt's decode and the first token
@@ -135,6 +138,12 @@ class GenerationStats:
         for step in self.steps:
             counts[step.n_draft] = counts.get(step.n_draft, 0) + 1
         return dict(sorted(counts.items()))
+
+    @property
+    def first_token_ms(self) -> float:
+        """From the start of the generation to its first token: the prompt cache's save and
+        restore, then the prefill."""
+        return self.prompt_cache_save_ms + self.prompt_cache_restore_ms + self.prefill_ms
 
     @property
     def kl_mean(self) -> float | None:

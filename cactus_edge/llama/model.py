@@ -257,6 +257,21 @@ class Model:
             row=row,
         )
 
+    # --- saved states (the prompt cache) -------------------------------------------------------
+
+    supports_saved_states = False  # a model in another process (RPC) keeps its cache there
+
+    def state_identity(self) -> dict | None:
+        return None
+
+    def save_state(self) -> SavedState:
+        """A copy of the cache's tokens and llama.cpp's state of them, for :meth:`restore_state`."""
+        raise BackendError(f"{type(self).__name__} cannot save its cache")
+
+    def restore_state(self, saved: SavedState, n_tokens: int | None = None) -> None:
+        """Make the cache hold ``saved``'s first ``n_tokens`` tokens (all by default)."""
+        raise BackendError(f"{type(self).__name__} cannot restore a saved cache")
+
     def teacher_forced(self, tokens: Sequence[int], output_rows: Sequence[int]) -> np.ndarray:
         """Logits (len(output_rows), V) of a fixed text: ``tokens`` decoded from an empty cache
         (in n_batch chunks), which is left empty again. For scoring, not for generating."""
@@ -315,6 +330,7 @@ class LlamaModel(Model):
         ctx_params.n_threads = self.n_threads
         ctx_params.n_threads_batch = self.n_threads
         ctx_params.no_perf = True
+        self.kv_types = (int(ctx_params.type_k), int(ctx_params.type_v))  # ggml types of the KV cache
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             self.close()
@@ -507,6 +523,75 @@ class LlamaModel(Model):
         self._check_open()
         llama_cpp.llama_memory_clear(self._memory, True)
         self.tokens.clear()
+
+    # --- saved states --------------------------------------------------------------------------
+
+    supports_saved_states = True
+
+    def state_identity(self) -> dict | None:
+        """What a saved state of this model is valid for: the file as loaded, llama.cpp's version,
+        the context size and the KV cache's types (None when the file could not be identified)."""
+        if self.file_identity is None:
+            return None
+        return {
+            **self.file_identity,
+            "llama_cpp": llama_cpp.__version__,
+            "n_ctx": self.n_ctx,
+            "kv_types": list(self.kv_types),
+        }
+
+    def save_state(self) -> SavedState:
+        """llama.cpp's serialized state of sequence 0 (its KV cells), with the tokens they hold."""
+        self._check_open()
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        data = bytearray(size)
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, _c_bytes(data), size, 0) if size else 0
+        if written != size or not size:
+            raise BackendError(f"llama.cpp could not save the cache of {self.path.name}")
+        return SavedState(tuple(self.tokens), data)
+
+    def restore_state(self, saved: SavedState, n_tokens: int | None = None) -> None:
+        """Replace the cache by ``saved``, cut to its first ``n_tokens`` tokens; then check, as
+        :meth:`sync_cache` does, that llama.cpp holds exactly those positions. On any failure the
+        cache is left empty (consistent) and BackendError is raised."""
+        self._check_open()
+        n_tokens = len(saved.tokens) if n_tokens is None else n_tokens
+        if not 0 < n_tokens <= len(saved.tokens):
+            raise ValueError(f"cannot restore {n_tokens} of {len(saved.tokens)} saved tokens")
+        self.tokens.clear()  # whatever happens next, the mirror never claims the old text
+        size = len(saved.data)
+        if llama_cpp.llama_state_seq_set_data(self._ctx, _c_bytes(saved.data), size, 0) != size:
+            self.reset()
+            raise BackendError(f"llama.cpp refused a saved cache for {self.path.name}")
+        self.tokens.extend(saved.tokens)
+        try:
+            self.truncate(n_tokens)
+            if self.cache_range() != (0, n_tokens - 1):
+                raise BackendError(
+                    f"a restored cache of {self.path.name} holds positions {self.cache_range()}, "
+                    f"not 0..{n_tokens - 1}"
+                )
+        except BaseException:
+            self.reset()
+            raise
+
+
+@dataclass(frozen=True, eq=False)
+class SavedState:
+    """One model's cache as llama.cpp serializes it: ``tokens`` (positions 0..n-1) and ``data``,
+    valid only for a context of the same model file, llama.cpp build and KV types."""
+
+    tokens: tuple[int, ...]
+    data: bytearray
+
+    @property
+    def n_bytes(self) -> int:
+        return len(self.data)
+
+
+def _c_bytes(data: bytearray):
+    """A ctypes view (no copy) of ``data`` for llama.cpp's uint8_t* parameters."""
+    return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
 
 def _checked_context(path: Path, info: GGUFInfo, n_ctx: int) -> int:

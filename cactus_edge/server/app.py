@@ -148,7 +148,9 @@ class ServerApp:
     async def _metrics(self, exchange: Exchange) -> None:
         scheduler = self.scheduler
         waiting, running = (scheduler.waiting, scheduler.running) if scheduler else (0, 0)
-        await exchange.send_text(200, self.metrics.render(waiting, running), "text/plain; version=0.0.4")
+        cache = getattr(self.engine, "prompt_cache", None)
+        text = self.metrics.render(waiting, running, cache.snapshot() if cache is not None else None)
+        await exchange.send_text(200, text, "text/plain; version=0.0.4")
 
     async def _debug_caches(self, exchange: Exchange) -> None:
         """Only with ``debug``: the cache audit, and whether the worker is idle (then every

@@ -46,7 +46,8 @@ class Metrics:
                     if kl <= bound:
                         self.kl_buckets[index] += 1
 
-    def render(self, waiting: int, running: int) -> str:
+    def render(self, waiting: int, running: int, prompt_cache: dict | None = None) -> str:
+        """The text of GET /metrics; ``prompt_cache``: :meth:`PromptCache.snapshot`."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
@@ -87,7 +88,25 @@ class Metrics:
                 "Per-response mean KL(output || target) of decided draft positions (0 when lossless).",
                 [*buckets, ("_sum", self.kl_sum), ("_count", self.kl_count)],
             )
+        if prompt_cache is not None:
+            for name, kind, help, value in _prompt_cache_samples(prompt_cache):
+                metric(name, kind, help, [("", value)])
         return "\n".join(lines) + "\n"
+
+
+def _prompt_cache_samples(cache: dict) -> list[tuple[str, str, str, float]]:
+    counter, gauge = "counter", "gauge"
+    return [
+        ("prompt_cache_hits_total", counter, "Generations that restored a saved cache.", cache["hits"]),
+        ("prompt_cache_misses_total", counter, "Generations that restored none.", cache["misses"]),
+        ("prompt_cache_saves_total", counter, "Live caches saved before a prompt cut them.", cache["saves"]),
+        ("prompt_cache_evictions_total", counter, "Saved caches dropped for the bound.", cache["evictions"]),
+        ("prompt_cache_bytes", gauge, "Bytes the saved caches hold.", cache["bytes"]),
+        ("prompt_cache_max_bytes", gauge, "The bound on those bytes (--cache-ram).", cache["max_bytes"]),
+        ("prompt_cache_entries", gauge, "Saved caches held.", cache["entries"]),
+        ("prompt_cache_restore_seconds_total", counter, "Time spent restoring.", cache["restore_ms"] / 1000),
+        ("prompt_cache_save_seconds_total", counter, "Time spent saving.", cache["save_ms"] / 1000),
+    ]
 
 
 def _number(value: float) -> str:
