@@ -671,7 +671,7 @@ def test_switching_workload_returns_to_each_conversation_from_the_prompt_cache(
     blocks = [" ".join(words[i:] + words[:i]) * 3 for i in range(len(words))]
     monkeypatch.setattr(switching, "code_blocks", lambda: blocks)
     monkeypatch.setattr(switching, "MIN_OPENING_CHARS", 300)
-    monkeypatch.setattr(prompt_cache.PromptCache.__init__, "__defaults__", (16,))  # min_tokens
+    monkeypatch.setattr(prompt_cache.PromptCache.__init__, "__defaults__", (None, 16))  # min_tokens
     args = ["bench", *pair_args(tiny_pair), "--n-ctx", "512", "--workload", "switching", "--rounds", "2"]
     args += ["--max-tokens", "4", "--temperature", "0", "--out", str(tmp_path)]
     result = CliRunner().invoke(main, args)

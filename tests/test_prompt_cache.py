@@ -252,7 +252,7 @@ def disk_engine(tiny_pair, folder, **caches):
 
 
 def kept_files(folder):
-    return sorted(folder.glob("*.kvc"))
+    return sorted(folder.glob("*/*.kvc"))
 
 
 def test_a_kept_conversation_comes_back_after_a_restart(tiny_pair, tmp_path, target_alone):
@@ -288,17 +288,29 @@ def _keep_one(tiny_pair, folder, seed=120):
     return path
 
 
-@pytest.mark.parametrize("damage", ["cut short", "a flipped byte", "not a cache file"])
-def test_a_damaged_file_is_deleted_with_a_warning_and_never_restored(tiny_pair, tmp_path, caplog, damage):
-    path = _keep_one(tiny_pair, tmp_path)
-    data = bytearray(path.read_bytes())
+def damaged(data: bytearray, damage: str) -> bytearray:
     if damage == "cut short":
-        data = data[: len(data) - 100]
-    elif damage == "a flipped byte":
+        return data[: len(data) - 100]
+    if damage == "a few bytes":
+        return data[:6]
+    if damage == "a flipped byte":
         data[-50] ^= 0xFF
+    elif damage == "a token changed":  # the 100th: the prompt still matches what comes before it
+        at = data.index(b'"tokens":[') + len(b'"tokens":[')
+        for _ in range(99):
+            at = data.index(b",", at) + 1
+        data[at] = ord("1") if data[at] != ord("1") else ord("2")  # same length: sizes still match
     else:
         data[:4] = b"JUNK"
-    path.write_bytes(bytes(data))
+    return data
+
+
+@pytest.mark.parametrize(
+    "damage", ["cut short", "a few bytes", "a flipped byte", "a token changed", "not a cache file"]
+)
+def test_a_damaged_file_is_deleted_with_a_warning_and_never_restored(tiny_pair, tmp_path, caplog, damage):
+    path = _keep_one(tiny_pair, tmp_path)
+    path.write_bytes(bytes(damaged(bytearray(path.read_bytes()), damage)))
     with disk_engine(tiny_pair, tmp_path) as engine:
         reply = engine.generate(conversation(120), GenerationConfig(method="none", **GREEDY))
         assert reply.stats.prompt_cache != "disk"
@@ -308,14 +320,50 @@ def test_a_damaged_file_is_deleted_with_a_warning_and_never_restored(tiny_pair, 
     assert any(path.name in warning and "deleted" in warning for warning in warnings)
 
 
-def test_a_file_of_another_model_or_context_is_deleted_not_restored(tiny_pair, tmp_path, caplog):
+def test_another_setups_files_are_neither_restored_nor_deleted(tiny_pair, tmp_path):
+    """An engine of another context size shares the folder: it restores none of the first one's
+    files and deletes none of them (they are valid for the first setup)."""
     path = _keep_one(tiny_pair, tmp_path)
     with Engine.load(
         str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=256, n_threads=TEST_THREADS, cache_dir=tmp_path
     ) as other_context:
-        assert other_context.prompt_cache.folder.kept == {}
-    assert not path.exists()
+        assert other_context.prompt_cache.folder.files() == []
+        reply = other_context.generate(conversation(120), GenerationConfig(method="none", **GREEDY))
+        assert reply.stats.prompt_cache != "disk"
+    assert path.exists()
+
+
+def test_a_file_moved_into_another_setups_folder_is_deleted_not_restored(tiny_pair, tmp_path, caplog):
+    path = _keep_one(tiny_pair, tmp_path)
+    with Engine.load(
+        str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=256, n_threads=TEST_THREADS, cache_dir=tmp_path
+    ) as other_context:
+        moved = other_context.prompt_cache.folder.folder / path.name
+        path.rename(moved)
+        other_context.prompt_cache.folder.scan()
+        assert other_context.prompt_cache.folder.files() == []
+    assert not moved.exists()
     assert any("written for other models" in record.getMessage() for record in caplog.records)
+
+
+def test_the_folder_of_a_changed_model_file_is_deleted_at_start(tiny_pair, tmp_path, caplog):
+    import shutil
+
+    from .tiny_gguf import write_tiny_llama
+
+    draft, target = tmp_path / "draft.gguf", tmp_path / "target.gguf"
+    shutil.copy(tiny_pair[0], draft)
+    shutil.copy(tiny_pair[1], target)
+    folder = tmp_path / "kv"
+    with disk_engine((draft, target), folder) as engine:
+        engine.generate(conversation(150), GenerationConfig(method="none", **GREEDY))
+        assert engine.keep_conversation()
+        setup_folder = engine.prompt_cache.folder.folder
+    write_tiny_llama(target, seed=5)  # the file is replaced: its cached states mean nothing now
+    with disk_engine(tiny_pair, folder):
+        pass
+    assert not setup_folder.exists()
+    assert any("changed or missing model files" in record.getMessage() for record in caplog.records)
 
 
 def test_an_unwritable_folder_is_refused_before_any_model_loads(tiny_pair, tmp_path, monkeypatch):
@@ -344,7 +392,7 @@ def test_a_full_disk_is_a_warning_and_the_reply_still_comes(tiny_pair, tmp_path,
         assert not engine.keep_conversation()
         reply = engine.generate(conversation(131), GenerationConfig(method="none", **GREEDY))
         assert reply.finish_reason == "length"
-    assert kept_files(tmp_path) == [] and list(tmp_path.glob("*partial*")) == []
+    assert kept_files(tmp_path) == [] and list(tmp_path.glob("*/*partial*")) == []
     assert any("No space left" in record.getMessage() for record in caplog.records)
 
 
@@ -380,3 +428,27 @@ def test_bad_cache_flags_are_one_line_errors_before_serving(tiny_args, tmp_path,
     result = CliRunner().invoke(main, ["serve", *tiny_args, "--port", "0", *flags])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_a_file_the_bound_deleted_is_written_again_when_kept(tiny_pair, tmp_path):
+    with disk_engine(tiny_pair, tmp_path) as engine:
+        engine.generate(conversation(160), GenerationConfig(method="none", **GREEDY))
+        assert engine.keep_conversation()
+        (path,) = kept_files(tmp_path)
+        engine.prompt_cache.folder.forget(path, "deleted by the test")
+        assert engine.keep_conversation() and kept_files(tmp_path) == [path]
+
+
+def test_a_kept_file_llama_cpp_refuses_is_deleted(tiny_pair, tmp_path, monkeypatch):
+    path = _keep_one(tiny_pair, tmp_path)
+    with disk_engine(tiny_pair, tmp_path) as engine:
+
+        def refuse(saved, n_tokens=None):
+            engine.target.reset()
+            raise BackendError("refused")
+
+        monkeypatch.setattr(engine.target, "restore_state", refuse)
+        reply = engine.generate(conversation(120), GenerationConfig(method="none", **GREEDY))
+        assert reply.stats.prompt_cache is None and engine.prompt_cache.counters.hits == 0
+        assert engine.check_caches([*conversation(120), *reply.tokens]) == []
+    assert not path.exists()

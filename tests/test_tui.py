@@ -470,7 +470,7 @@ async def test_a_saved_conversation_comes_back_with_its_kv_cache_after_a_restart
         await started(pilot)
         await say(pilot, long_message, timeout=120)
         await enter(pilot, "/save kept")
-        await wait_for(pilot, lambda: list((tmp_path / "kv").glob("*.kvc")), 60)
+        await wait_for(pilot, lambda: list((tmp_path / "kv").glob("*/*.kvc")), 60)
     restarted = CactusChatApp(factory, config)
     async with restarted.run_test(size=(80, 24)) as pilot:
         await started(pilot)

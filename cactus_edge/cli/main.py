@@ -123,6 +123,26 @@ def _compare(engine, prompt_tokens: list[int], config) -> None:
     click.echo(comparison_verdict(compared.speed, ours.stats, engine.costs))
 
 
+def _with_chat_cache_folder(model):
+    """Where saved chats keep their KV caches across restarts: --cache-dir, else the user's cache
+    folder; none with --rpc (the workers keep the cache) or when that folder cannot be written."""
+    if model.cache_dir is not None or model.rpc:
+        return model
+    import dataclasses
+
+    from ..engine.cache_files import check_cache_folder
+    from ..errors import CacheFolderError
+    from ..files import user_cache_folder
+
+    folder = user_cache_folder("prompt-cache")
+    try:
+        check_cache_folder(folder)
+    except CacheFolderError as error:
+        click.echo(f"warning: {error}; saved chats will prefill again on /load", err=True)
+        return model
+    return dataclasses.replace(model, cache_dir=str(folder))
+
+
 @main.command()
 @model_options
 @sampling_options
@@ -136,12 +156,7 @@ def chat(model, system, **flags) -> None:
 
     config = model.fit(build_config(**flags))
     drafter = defaults.DEFAULT_DRAFTER if model.has_draft() else "lookup"
-    if model.cache_dir is None:  # saved conversations keep their KV cache here, across restarts
-        import dataclasses
-
-        from ..files import user_cache_folder
-
-        model = dataclasses.replace(model, cache_dir=str(user_cache_folder("prompt-cache")))
+    model = _with_chat_cache_folder(model)
 
     def engine_factory():
         # Chat switches methods and drafters between turns (/method, /drafter): load the draft
@@ -310,7 +325,7 @@ def _bench_switching(model, methods, deltas, n_drafts, drafters, out, flags) -> 
     )
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     with model.load(config.method, config.drafter) as engine:
-        cold_choice = dataclasses.replace(model, cache_ram=0)
+        cold_choice = dataclasses.replace(model, cache_ram=0, cache_dir=None)
         with cold_choice.load(config.method, config.drafter) as cold_engine:
             engine.warm_up()
             cold_engine.warm_up()

@@ -75,10 +75,12 @@ class Engine:
         self._life = Lifecycle()
         self.grammars = CompiledGrammars(target.grammar_tokenizer, target.vocab_size)
         self.last_shaper: LogitShaper | None = None  # for check_caches
-        self.prompt_cache = PromptCache(_checked_cache_mib(cache_ram_mib, "cache_ram_mib") * 2**20)
+        memory_bytes = _checked_cache_mib(cache_ram_mib, "cache_ram_mib") * 2**20
+        folder = None
         if cache_dir is not None:
             disk_bytes = _checked_cache_mib(cache_disk_mib, "cache_disk_mib") * 2**20
-            self.prompt_cache.folder = CacheFolder(Path(cache_dir), self._roles(), disk_bytes)
+            folder = CacheFolder(Path(cache_dir), self.models_by_role, disk_bytes)
+        self.prompt_cache = PromptCache(memory_bytes, folder)
         self.reset_estimates()
 
     @classmethod
@@ -150,7 +152,8 @@ class Engine:
         """Closed or closing: a running generation ends at its next step."""
         return self._life.closing.is_set()
 
-    def _roles(self) -> dict[str, Model]:
+    @property
+    def models_by_role(self) -> dict[str, Model]:
         """The models by role ("target", "draft"), as the prompt cache names them."""
         return {role: model for role, model in (("target", self.target), ("draft", self.draft)) if model}
 
@@ -160,7 +163,8 @@ class Engine:
         nothing worth keeping, or the disk refused (a warning says why)."""
         self._life.check_open()
         with self._guard.hold(timeout):
-            return keep_live(self._roles(), self.prompt_cache)
+            self._life.check_open()  # closed while this call waited
+            return keep_live(self.models_by_role, self.prompt_cache)
 
     @property
     def models(self) -> list[Model]:
@@ -282,9 +286,10 @@ class Engine:
             yield from generation.events()
 
     def clear_caches(self, timeout: float | None = None) -> None:
-        """Empty both KV caches and the prompt cache: with a fixed draft length the next reply then
-        depends on prompt, config and seed alone (a reused prefix changes llama.cpp's rounding).
-        timeout: as stream's."""
+        """Empty both KV caches and the prompt cache in memory: with a fixed draft length the next
+        reply then depends on prompt, config and seed alone (a reused prefix changes llama.cpp's
+        rounding). A cache folder's files stay (they are the user's kept conversations), so with
+        one a kept conversation may still come back. timeout: as stream's."""
         self._life.check_open()
         with self._guard.hold(timeout):
             self._life.check_open()

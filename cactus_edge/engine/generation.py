@@ -71,9 +71,7 @@ class Generation:
         that never drafts with it never prefills it."""
         for model in self.engine.models:
             model.sync_cache()  # cheap insurance: llama.cpp holds exactly what the mirror says
-        roles = {"target": self.target, "draft": self.engine.draft}
-        models = {role: model for role, model in roles.items() if model is not None}
-        prepared = prepare_caches(models, self.engine.prompt_cache, self.committed[:-1])
+        prepared = prepare_caches(self.engine.models_by_role, self.engine.prompt_cache, self.committed[:-1])
         self.stats.n_prompt_decoded = len(self.committed) - self.target.n_past
         self.stats.prompt_cache = prepared.source
         self.stats.prompt_cache_restore_ms = prepared.restore_ms

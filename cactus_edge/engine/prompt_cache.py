@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import BackendError
@@ -30,6 +30,8 @@ MIN_ENTRY_TOKENS = 256
 # Restore only when it saves at least this many tokens of prefill over the live cache: a restore
 # copies the whole entry, which costs about as much as prefilling a few tokens.
 MIN_RESTORE_GAIN = 32
+
+Models = dict[str, Model]  # by role: "target", "draft"
 
 
 @dataclass(eq=False)
@@ -68,19 +70,22 @@ class Preparation:
     """What :func:`prepare_caches` did before one generation."""
 
     source: str | None = None  # "memory" or "disk" (restored), "live" (reused the live cache), or None
-    restore_ms: float = 0.0
+    restore_ms: float = 0.0  # reading a file and llama.cpp's restores
     save_ms: float = 0.0
+    restored: set[str] = field(default_factory=set)  # the roles restored from an entry
 
 
 class PromptCache:
-    """Saved caches, least recently used first, within ``max_bytes`` (0: keep none)."""
+    """Saved caches, least recently used first, within ``max_bytes`` (0: keep none in memory),
+    and evicted ones in ``folder`` when there is one."""
 
-    def __init__(self, max_bytes: int, min_tokens: int = MIN_ENTRY_TOKENS) -> None:
+    def __init__(
+        self, max_bytes: int, folder: CacheFolder | None = None, min_tokens: int = MIN_ENTRY_TOKENS
+    ) -> None:
         if max_bytes < 0:
             raise ValueError("the prompt cache's bound must be 0 (off) or more bytes")
-        self.max_bytes, self.min_tokens = max_bytes, min_tokens
-        self.folder: CacheFolder | None = None  # where evicted entries go, when there is one
-        self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
+        self.max_bytes, self.folder, self.min_tokens = max_bytes, folder, min_tokens
+        self._entries: OrderedDict[CacheEntry, None] = OrderedDict()  # keys by identity, oldest first
         self._lock = threading.Lock()  # readers (metrics) may ask from other threads
         self.counters = CacheCounters()
 
@@ -91,7 +96,7 @@ class PromptCache:
     @property
     def n_bytes(self) -> int:
         with self._lock:
-            return sum(entry.n_bytes for entry in self._entries.values())
+            return sum(entry.n_bytes for entry in self._entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,9 +104,10 @@ class PromptCache:
     def entries(self) -> list[CacheEntry]:
         """The entries, least recently used first."""
         with self._lock:
-            return list(self._entries.values())
+            return list(self._entries)
 
     def clear(self) -> None:
+        """Forget the entries in memory (files in the folder stay: they are the user's)."""
         with self._lock:
             self._entries.clear()
 
@@ -115,41 +121,41 @@ class PromptCache:
                 best, best_n = entry, n
         return best, best_n
 
-    def add(self, entry: CacheEntry) -> None:
+    def add(self, entry: CacheEntry) -> bool:
         """Keep ``entry`` as the most recently used; drop the entries it covers, then the least
-        recently used until the bound holds, into the cache folder when there is one. An entry
-        larger than the bound goes straight to the folder (or nowhere)."""
+        recently used until the bound holds, into the folder when there is one. An entry larger
+        than the bound goes straight to the folder. Whether it is kept anywhere."""
         if entry.n_bytes > self.max_bytes:
-            self._spill([entry])
-            return
+            return self.keep(entry)
         evicted = []
         with self._lock:
-            for key in [key for key, kept in self._entries.items() if entry.covers(kept)]:
-                del self._entries[key]
-            self._entries[id(entry)] = entry
-            total = sum(kept.n_bytes for kept in self._entries.values())
+            for kept in [kept for kept in self._entries if entry.covers(kept)]:
+                del self._entries[kept]
+            self._entries[entry] = None
+            total = sum(kept.n_bytes for kept in self._entries)
             while total > self.max_bytes:
-                evicted.append(self._entries.popitem(last=False)[1])
+                evicted.append(self._entries.popitem(last=False)[0])
                 total -= evicted[-1].n_bytes
                 self.counters.evictions += 1
-        self._spill(evicted)
+        for old in evicted:
+            self.keep(old)
+        return True
 
-    def _spill(self, entries: list[CacheEntry]) -> None:
-        for entry in entries:
-            self.keep(entry)
-
-    def keep(self, entry: CacheEntry) -> None:
-        """Write ``entry`` to the cache folder (once); nothing without a folder."""
-        if self.folder is None or entry.kept_at is not None:
-            return
-        entry.kept_at = self.folder.write(entry.states)
-        self.counters.disk_writes += entry.kept_at is not None
+    def keep(self, entry: CacheEntry) -> bool:
+        """Have ``entry`` in the folder (written unless its file is still there); False without a
+        folder or when the disk refused."""
+        if self.folder is None:
+            return False
+        if not self.folder.holds(entry.kept_at):
+            entry.kept_at = self.folder.write(entry.states)
+            self.counters.disk_writes += entry.kept_at is not None
+        return entry.kept_at is not None
 
     def best_kept(self, wanted: Sequence[int]) -> tuple[KeptFile | None, int]:
-        """The file in the cache folder whose target text shares the longest prefix with
-        ``wanted``, and its length."""
+        """The file in the folder whose target text shares the longest prefix with ``wanted``,
+        and its length."""
         best, best_n = None, 0
-        for kept in list(self.folder.kept.values()) if self.folder is not None else ():
+        for kept in self.folder.files() if self.folder is not None else ():
             text = kept.tokens.get("target")
             n = common_prefix(text, wanted) if text else 0
             if n > best_n:
@@ -158,16 +164,19 @@ class PromptCache:
 
     def touch(self, entry: CacheEntry) -> None:
         with self._lock:
-            if id(entry) in self._entries:
-                self._entries.move_to_end(id(entry))
+            if entry in self._entries:
+                self._entries.move_to_end(entry)
 
-    def discard(self, entry: CacheEntry) -> None:
+    def discard(self, entry: CacheEntry, why: str) -> None:
+        """Forget an entry llama.cpp refused, and delete its file."""
         with self._lock:
-            self._entries.pop(id(entry), None)
+            self._entries.pop(entry, None)
+        if self.folder is not None and entry.kept_at is not None:
+            self.folder.forget(entry.kept_at, why)
 
     def snapshot(self) -> dict:
         """Size and counters, for stats and /metrics."""
-        counters = self.counters
+        counters, folder = self.counters, self.folder
         return {
             "max_bytes": self.max_bytes,
             "bytes": self.n_bytes,
@@ -179,44 +188,64 @@ class PromptCache:
             "evictions": counters.evictions,
             "restore_ms": counters.restore_ms,
             "save_ms": counters.save_ms,
-            "disk_bytes": self.folder.n_bytes if self.folder is not None else 0,
-            "disk_entries": len(self.folder.kept) if self.folder is not None else 0,
+            "disk_bytes": folder.n_bytes if folder is not None else 0,
+            "disk_max_bytes": folder.max_bytes if folder is not None else 0,
+            "disk_entries": len(folder) if folder is not None else 0,
             "disk_writes": counters.disk_writes,
         }
 
 
-def prepare_caches(models: dict[str, Model], cache: PromptCache | None, wanted: Sequence[int]) -> Preparation:
+def prepare_caches(models: Models, cache: PromptCache | None, wanted: Sequence[int]) -> Preparation:
     """Leave each model's cache holding the longest prefix of ``wanted`` that the live cache or a
-    saved entry (in memory, or in the cache folder) has, decoding nothing. The live cache is saved
-    first when the prompt would discard at least ``cache.min_tokens`` tokens of it and no entry
-    holds them yet. A restore that llama.cpp refuses drops the entry and leaves that model's cache
-    empty: the prompt is then prefilled, never failed."""
+    saved entry (in memory, or in the folder) has, decoding nothing. The live cache is saved first
+    when the prompt would discard at least ``cache.min_tokens`` tokens of it and no entry holds
+    them yet. A restore that llama.cpp refuses drops the entry and leaves the caches to prefill:
+    the request never fails for the cache's sake."""
     preparation = Preparation()
     live = {role: common_prefix(model.tokens, wanted) for role, model in models.items()}
     usable = cache is not None and cache.enabled and all(m.supports_saved_states for m in models.values())
-    entry, source = _best_entry(cache, wanted, live["target"] + MIN_RESTORE_GAIN) if usable else (None, None)
+    entry, source = None, None
     if usable:
+        start = time.perf_counter()
+        entry, source = _best_entry(cache, wanted, live["target"] + MIN_RESTORE_GAIN)
+        preparation.restore_ms += (time.perf_counter() - start) * 1000  # reading a file is restoring
         _save_live(models, cache, live, preparation)
         if source == "disk":
             cache.add(entry)  # in memory from now on, as the most recently used
+    restored = entry is not None and _restore_all(models, entry, wanted, live, preparation)
+    if entry is not None and not restored:
+        cache.discard(entry, "refused by llama.cpp")
     for role, model in models.items():
-        state = entry.states.get(role) if entry is not None else None
-        n_state = common_prefix(state.tokens, wanted) if state else 0
-        if state is not None and n_state >= live[role] + MIN_RESTORE_GAIN:
-            if _restore(model, state, n_state, preparation):
-                preparation.source = source
-                continue
-            cache.discard(entry)
-        model.truncate(min(live[role], model.n_past))
+        if not (restored and role in preparation.restored):
+            model.truncate(min(live[role], model.n_past))
+    preparation.source = source if restored else ("live" if models["target"].n_past else None)
     if usable:
         _count(cache.counters, preparation)
-    if preparation.source is None and models["target"].n_past:
-        preparation.source = "live"
     return preparation
 
 
-def _best_entry(cache: PromptCache, wanted: Sequence[int], at_least: int) -> tuple:
-    """(the entry to restore or None, where it was: "memory" or "disk"): the one sharing the longest
+def _restore_all(
+    models: Models, entry: CacheEntry, wanted: Sequence[int], live: dict[str, int], preparation: Preparation
+) -> bool:
+    """Restore each model from ``entry`` where that gains on its live cache, the target first;
+    False (nothing more restored) when llama.cpp refuses one."""
+    for role in sorted(models, key=lambda role: role != "target"):
+        state = entry.states.get(role)
+        n_state = common_prefix(state.tokens, wanted) if state else 0
+        if state is None or n_state < live[role] + MIN_RESTORE_GAIN:
+            if role == "target":
+                return False
+            continue
+        if not _restore(models[role], state, n_state, preparation):
+            return False
+        preparation.restored.add(role)
+    return True
+
+
+def _best_entry(
+    cache: PromptCache, wanted: Sequence[int], at_least: int
+) -> tuple[CacheEntry | None, str | None]:
+    """The entry to restore, and where it was ("memory" or "disk"): the one sharing the longest
     prefix with ``wanted``, if that is at least ``at_least`` tokens; a kept file only when it beats
     every entry in memory (reading it costs more)."""
     entry, n_entry = cache.best("target", wanted)
@@ -240,45 +269,42 @@ def _count(counters: CacheCounters, preparation: Preparation) -> None:
         counters.misses += 1
 
 
-def keep_live(models: dict[str, Model], cache: PromptCache) -> bool:
-    """Write the live caches to the cache folder now (an entry that holds them is written
-    instead); False without a folder, with too little to keep, or when the disk refused."""
+def keep_live(models: Models, cache: PromptCache) -> bool:
+    """Have the live caches in the folder now (an entry that holds them is written instead);
+    False without a folder, with too little to keep, or when the disk refused (a warning says)."""
     if cache.folder is None or models["target"].n_past < cache.min_tokens:
         return False
-    if not all(model.supports_saved_states for model in models.values()):
-        return False
-    texts = {role: tuple(model.tokens) for role, model in models.items() if model.n_past}
-    entry = next((kept for kept in cache.entries() if _holds(kept, texts)), None)
-    if entry is None:
-        try:
-            entry = CacheEntry({role: models[role].save_state() for role in texts})
-        except BackendError as error:
-            log.warning("prompt cache: the live cache was not saved: %s", error)
-            return False
-        cache.add(entry)
-    cache.keep(entry)
-    return entry.kept_at is not None
+    entry = _live_entry(models, cache, None)
+    return entry is not None and cache.keep(entry)
 
 
-def _save_live(models: dict[str, Model], cache: PromptCache, live: dict[str, int], preparation) -> None:
+def _save_live(models: Models, cache: PromptCache, live: dict[str, int], preparation: Preparation) -> None:
     """Save the live caches as one entry when the new prompt discards at least
     ``cache.min_tokens`` of the target's, unless an entry already holds those texts."""
-    if models["target"].n_past - live["target"] < cache.min_tokens:
-        return
+    if models["target"].n_past - live["target"] >= cache.min_tokens:
+        _live_entry(models, cache, preparation)
+
+
+def _live_entry(models: Models, cache: PromptCache, preparation: Preparation | None) -> CacheEntry | None:
+    """The entry that holds the live caches: one already kept, else a new one saved now (None when
+    the models cannot save, or it was too large to keep)."""
     texts = {role: tuple(model.tokens) for role, model in models.items() if model.n_past}
-    if any(_holds(kept, texts) for kept in cache.entries()):
-        return
+    held = next((kept for kept in cache.entries() if _holds(kept, texts)), None)
+    if held is not None or not all(model.supports_saved_states for model in models.values()):
+        return held
     start = time.perf_counter()
     try:
         entry = CacheEntry({role: models[role].save_state() for role in texts})
     except BackendError as error:
         log.warning("prompt cache: the live cache was not saved: %s", error)
-        return
-    cache.add(entry)
-    cache.counters.saves += 1
+        return None
+    kept = cache.add(entry)
     elapsed = (time.perf_counter() - start) * 1000
     cache.counters.save_ms += elapsed
-    preparation.save_ms += elapsed
+    cache.counters.saves += kept
+    if preparation is not None:
+        preparation.save_ms += elapsed
+    return entry if kept else None
 
 
 def _holds(entry: CacheEntry, texts: dict[str, tuple[int, ...]]) -> bool:

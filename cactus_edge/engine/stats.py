@@ -88,7 +88,7 @@ class GenerationStats:
     n_accepted: int = 0
     n_forced: int = 0  # accepted draft tokens that the grammar forced (included in n_accepted)
     draft_model_off: bool = False  # model+lookup drafted by lookup alone: the model cannot pay here
-    prompt_cache: str | None = None  # where the reused prompt prefix came from: "live", "memory" or None
+    prompt_cache: str | None = None  # where the reused prefix came from: "live", "memory", "disk" or None
     prompt_cache_restore_ms: float = 0.0  # restoring a saved cache before the prefill
     prompt_cache_save_ms: float = 0.0  # saving the live cache the prompt discarded
     accepted_by_position: list[int] = field(default_factory=list)

@@ -106,6 +106,11 @@ def _prompt_cache_samples(cache: dict) -> list[tuple[str, str, str, float]]:
         ("prompt_cache_entries", gauge, "Saved caches held.", cache["entries"]),
         ("prompt_cache_restore_seconds_total", counter, "Time spent restoring.", cache["restore_ms"] / 1000),
         ("prompt_cache_save_seconds_total", counter, "Time spent saving.", cache["save_ms"] / 1000),
+        ("prompt_cache_disk_hits_total", counter, "Restores read from --cache-dir.", cache["disk_hits"]),
+        ("prompt_cache_disk_writes_total", counter, "Files written to --cache-dir.", cache["disk_writes"]),
+        ("prompt_cache_disk_bytes", gauge, "Bytes of files in --cache-dir.", cache["disk_bytes"]),
+        ("prompt_cache_disk_max_bytes", gauge, "The bound on them (--cache-disk).", cache["disk_max_bytes"]),
+        ("prompt_cache_disk_entries", gauge, "Files in --cache-dir.", cache["disk_entries"]),
     ]
 
 
