@@ -312,7 +312,8 @@ def bench(
 
 
 def _bench_switching(model, methods, deltas, n_drafts, drafters, out, flags) -> None:
-    """`bench --workload switching` with the first of each list (--methods, --deltas, …)."""
+    """`bench --workload switching` with the default method if --methods names it, else its first
+    speculative one (plain decoding if none), and the first of each other list."""
     import dataclasses
     import platform
 
@@ -320,9 +321,10 @@ def _bench_switching(model, methods, deltas, n_drafts, drafters, out, flags) -> 
     from . import switching
 
     settings = sampling_settings(flags)
-    config = build_config(
-        method=methods[0], delta=deltas[0], n_draft=n_drafts[0], drafter=drafters[0], **settings
-    )
+    speculative = [name for name in methods if name != "none"] or ["none"]
+    method = defaults.DEFAULT_METHOD if defaults.DEFAULT_METHOD in methods else speculative[0]
+    firsts = {"delta": deltas[0], "n_draft": n_drafts[0], "drafter": drafters[0]}
+    config = build_config(method=method, **firsts, **settings)
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     with model.load(config.method, config.drafter) as engine:
         cold_choice = dataclasses.replace(model, cache_ram=0, cache_dir=None)
