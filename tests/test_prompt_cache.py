@@ -452,3 +452,30 @@ def test_a_kept_file_llama_cpp_refuses_is_deleted(tiny_pair, tmp_path, monkeypat
         assert reply.stats.prompt_cache is None and engine.prompt_cache.counters.hits == 0
         assert engine.check_caches([*conversation(120), *reply.tokens]) == []
     assert not path.exists()
+
+
+@pytest.mark.parametrize("where", ["restore", "save"])
+def test_an_interrupt_while_a_cache_is_saved_or_restored_leaves_the_caches_consistent(
+    engine, monkeypatch, where
+):
+    """Ctrl-C inside a restore (after llama.cpp took the state) or inside a save: the generation
+    ends with the interrupt, every cache is a prefix of the prompt as llama.cpp and the mirror
+    agree, and the next request runs normally."""
+    first, second = conversation(170), conversation(171)
+    engine.generate(first, GenerationConfig(method="none", **GREEDY))
+    engine.generate(second, GenerationConfig(method="none", **GREEDY))
+    model = engine.target
+    original = getattr(model, f"{where}_state")
+
+    def interrupted(*args, **kwargs):
+        original(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, f"{where}_state", interrupted)
+    prompt = first if where == "restore" else conversation(172)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompt, GenerationConfig(method="none", **GREEDY))
+    assert engine.check_caches(prompt) == []
+    monkeypatch.undo()
+    reply = engine.generate(prompt, GenerationConfig(method="none", **GREEDY))
+    assert engine.check_caches([*prompt, *reply.tokens]) == []
