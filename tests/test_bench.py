@@ -686,3 +686,4 @@ def test_switching_workload_returns_to_each_conversation_from_the_prompt_cache(
             assert request["cached_tokens"] >= first_round[request["conversation"]]["prompt_tokens"]
     table = (tmp_path / "switching.md").read_text()
     assert "| 2 | 3 |" in table and "· cactus," in table  # the default method, which --methods names
+    assert all(r["cache_mib"] >= 0 and r["rss_mb"] > 0 for r in data)

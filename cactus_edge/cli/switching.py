@@ -91,6 +91,8 @@ def run_switching(
                     "cold_ttft_ms": cold.ttft_ms,
                     "restore_ms": stats.prompt_cache_restore_ms,
                     "save_ms": stats.prompt_cache_save_ms,
+                    "cache_mib": engine.prompt_cache.n_bytes / 2**20,
+                    "rss_mb": current_rss_mb(),
                 }
             )
             progress(
@@ -101,23 +103,38 @@ def run_switching(
     return records
 
 
+def current_rss_mb() -> float | None:
+    """This process's resident memory now (Linux), None where /proc is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def switching_table(records: list[dict], title: str) -> str:
     """Per round, medians of the first token warm and cold and their ratio, and the cache's costs."""
     lines = [
         title,
         "| round | requests | prompt tokens | cached tokens | first token | cold first token | "
-        "ratio (median of each request's) | restore ms | save ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ratio (median of each request's) | restore ms | save ms | prompt cache, RSS at the end |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for round_index in sorted({r["round"] for r in records}):
         rows = [r for r in records if r["round"] == round_index]
         ratios = [r["ttft_ms"] / r["cold_ttft_ms"] for r in rows if r["cold_ttft_ms"] > 0]
-        median = {key: statistics.median(r[key] for r in rows) for key in rows[0] if key != "source"}
+        numbers = [key for key in rows[0] if key not in ("source", "rss_mb")]
+        median = {key: statistics.median(r[key] for r in rows) for key in numbers}
+        last = rows[-1]
+        rss = f"{last['rss_mb']:.0f} MB" if last["rss_mb"] is not None else "–"
         lines.append(
             f"| {round_index + 1} | {len(rows)} | {median['prompt_tokens']:.0f} | "
             f"{median['cached_tokens']:.0f} | {median['ttft_ms']:.0f} ms | {median['cold_ttft_ms']:.0f} ms | "
             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) | "
-            f"{median['restore_ms']:.1f} | {median['save_ms']:.1f} |"
+            f"{median['restore_ms']:.1f} | {median['save_ms']:.1f} | {last['cache_mib']:.0f} MiB, {rss} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import CacheFolderError
 from ..files import temporary_next_to, write_text_atomically
-from ..llama.model import Model, SavedState
+from ..llama.model import Model, SavedState, state_buffer
 from ..llama.vocabulary import file_identity
 
 log = logging.getLogger("cactus_edge.prompt_cache")
@@ -110,8 +110,8 @@ class CacheFolder:
                 states = {}
                 for role, state in header["states"].items():
                     tokens = tuple(int(t) for t in state["tokens"])
-                    data = bytearray(handle.read(int(state["bytes"])))
-                    if len(data) != state["bytes"] or _checksum(tokens, data) != state["sha256"]:
+                    data = _read_state(handle, int(state["bytes"]))
+                    if data is None or _checksum(tokens, data) != state["sha256"]:
                         raise ValueError(f"the {role}'s state fails its checksum")
                     states[role] = SavedState(tokens, data)
         except _DAMAGE as error:
@@ -190,6 +190,12 @@ class CacheFolder:
             path.unlink()
 
 
+def _read_state(handle, size: int):
+    """The next ``size`` bytes of ``handle`` in a state buffer; None when the file ends first."""
+    data = state_buffer(size) if size else bytearray()
+    return data if handle.readinto(data) == size else None
+
+
 def _state_header(state: SavedState) -> dict:
     checksum = _checksum(state.tokens, state.data)
     return {"tokens": list(state.tokens), "bytes": state.n_bytes, "sha256": checksum}
@@ -253,7 +259,7 @@ def _encoded_header(header: dict) -> bytes:
     return MAGIC + _LENGTH.pack(len(text)) + text
 
 
-def _checksum(tokens: tuple[int, ...], data: bytearray) -> str:
+def _checksum(tokens: tuple[int, ...], data) -> str:
     """sha256 over a state's tokens and its data: a file whose tokens were changed fails too."""
     digest = hashlib.sha256(json.dumps(list(tokens)).encode())
     digest.update(data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import platform
 import queue
@@ -544,9 +545,11 @@ class LlamaModel(Model):
         """llama.cpp's serialized state of sequence 0 (its KV cells), with the tokens they hold."""
         self._check_open()
         size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
-        data = bytearray(size)
-        written = llama_cpp.llama_state_seq_get_data(self._ctx, _c_bytes(data), size, 0) if size else 0
-        if written != size or not size:
+        if not size:
+            raise BackendError(f"llama.cpp could not save the cache of {self.path.name}")
+        data = state_buffer(size)
+        written = llama_cpp.llama_state_seq_get_data(self._ctx, _c_bytes(data), size, 0)
+        if written != size:
             raise BackendError(f"llama.cpp could not save the cache of {self.path.name}")
         return SavedState(tuple(self.tokens), data)
 
@@ -582,14 +585,20 @@ class SavedState:
     valid only for a context of the same model file, llama.cpp build and KV types."""
 
     tokens: tuple[int, ...]
-    data: bytearray
+    data: bytearray | mmap.mmap
 
     @property
     def n_bytes(self) -> int:
         return len(self.data)
 
 
-def _c_bytes(data: bytearray):
+def state_buffer(size: int) -> mmap.mmap:
+    """A writable buffer of ``size`` bytes for a saved state, mapped on its own: freed, it goes back
+    to the system at once (tens of MB from the allocator's heap would stay in the process)."""
+    return mmap.mmap(-1, size)
+
+
+def _c_bytes(data: bytearray | mmap.mmap):
     """A ctypes view (no copy) of ``data`` for llama.cpp's uint8_t* parameters."""
     return (ctypes.c_uint8 * len(data)).from_buffer(data)
 
