@@ -22,19 +22,13 @@ import time
 from pathlib import Path
 
 from bench_server import _popen, start_and_read_url, stop_server
-from script_args import free_port, model_paths, script_parser, wait_ready
-
-SYSTEM = "You are a careful senior engineer. Answer briefly."
+from script_args import free_port, model_flags, model_paths, script_parser, wait_ready
 
 
 def start_ours(args):
+    """`cactus-edge serve` with its defaults and the models of the flags."""
     command = [sys.executable, "-m", "cactus_edge.cli.main", "serve", "--port", "0", "--json"]
-    command += ["--n-ctx", str(args.n_ctx)]
-    command += ["--pair", args.pair] if args.pair else []
-    command += ["--draft", args.draft] if args.draft else []
-    command += ["--target", args.target] if args.target else []
-    command += ["--threads", str(args.threads)] if args.threads else []
-    return start_and_read_url(command, "cactus-edge")
+    return start_and_read_url([*command, *model_flags(args)], "cactus-edge")
 
 
 def start_llama_server(args, target_path: str):
@@ -80,23 +74,16 @@ def ask(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
 
 
 def run_server(url: str, model: str, openings: list[str], rounds: int, max_tokens: int, name: str) -> list:
-    from cactus_edge.cli.switching import FOLLOW_UPS
+    from cactus_edge.cli.switching import asked_in_turn
 
-    conversations = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}] for text in openings
-    ]
     records = []
-    for round_index in range(rounds):
-        for index, messages in enumerate(conversations):
-            if round_index:
-                follow_up = FOLLOW_UPS[(round_index - 1) % len(FOLLOW_UPS)]
-                messages.append({"role": "user", "content": follow_up})
-            answer = ask(url, model, messages, max_tokens)
-            messages.append({"role": "assistant", "content": answer.pop("text")})
-            records.append({"server": name, "round": round_index, "conversation": index, **answer})
-            said = f"first token {answer['ttft_ms']:.0f} ms, {answer['cached']} of {answer['prompt_tokens']}"
-            where = f"{name} round {round_index} conversation {index}"
-            print(f"{where}: {said} prompt tokens reused", file=sys.stderr)
+    for round_index, index, messages in asked_in_turn(openings, rounds):
+        answer = ask(url, model, messages, max_tokens)
+        messages.append({"role": "assistant", "content": answer.pop("text")})
+        records.append({"server": name, "round": round_index, "conversation": index, **answer})
+        said = f"first token {answer['ttft_ms']:.0f} ms, {answer['cached']} of {answer['prompt_tokens']}"
+        where = f"{name} round {round_index} conversation {index}"
+        print(f"{where}: {said} prompt tokens reused", file=sys.stderr)
     return records
 
 

@@ -33,6 +33,8 @@ from cactus_edge.catalog.registry import load_registry
 from cactus_edge.constraints import templates
 from cactus_edge.constraints.templates import Prompts
 
+from .test_templates import _fake_text_ids, fake_text_of
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -130,10 +132,7 @@ def family_id(family) -> str:
     return family.name if isinstance(family, Family) else str(family)
 
 
-# --- a fake vocabulary per family ----------------------------------------------------------------
-
-_NEWLINES_BASE = 100  # a run of n newlines is id 100 + n
-_TEXT_BASE = 1000  # any other character is 1000 + its code point
+# --- a fake vocabulary per family: special tokens of its own, text ids as test_templates.py's ----
 
 
 class FakeVocabulary:
@@ -158,22 +157,12 @@ class FakeVocabulary:
             if fragment in specials:
                 ids.append(self.ids[fragment])
             else:
-                ids += [
-                    _NEWLINES_BASE + len(run) if run.startswith("\n") else _TEXT_BASE + ord(run)
-                    for run in re.findall(r"\n+|.", fragment, flags=re.DOTALL)
-                ]
+                ids += _fake_text_ids(fragment)
         return ids
 
     def detokenize(self, ids: list[int], special: bool = True) -> str:
         texts = {token: text for text, token in self.ids.items()}
-        return "".join(
-            texts[token]
-            if token in texts
-            else "\n" * (token - _NEWLINES_BASE)
-            if token < _TEXT_BASE
-            else chr(token - _TEXT_BASE)
-            for token in ids
-        )
+        return "".join(texts[token] if token in texts else fake_text_of(token) for token in ids)
 
 
 # --- conversations -------------------------------------------------------------------------------

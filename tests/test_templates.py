@@ -61,15 +61,13 @@ def _fake_text_ids(text: str) -> list[int]:
     ]
 
 
+def fake_text_of(token: int) -> str:
+    """The text of one id of :func:`_fake_text_ids` (not a special token)."""
+    return "\n" * (token - _NEWLINES_BASE) if token < _TEXT_BASE else chr(token - _TEXT_BASE)
+
+
 def fake_detokenize(ids: list[int]) -> str:
-    return "".join(
-        SPECIAL_TEXTS[token]
-        if token in SPECIAL_TEXTS
-        else "\n" * (token - _NEWLINES_BASE)
-        if token < _TEXT_BASE
-        else chr(token - _TEXT_BASE)
-        for token in ids
-    )
+    return "".join(SPECIAL_TEXTS[token] if token in SPECIAL_TEXTS else fake_text_of(token) for token in ids)
 
 
 def old_tokenization(messages, template, tokenize=fake_tokenize, bos_id=None, **kwargs) -> list[int]:

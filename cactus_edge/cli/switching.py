@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..engine.config import GenerationConfig
@@ -52,6 +52,19 @@ def openings(n_conversations: int) -> list[str]:
     return messages
 
 
+def asked_in_turn(texts: list[str], rounds: int) -> Iterator[tuple[int, int, list[dict]]]:
+    """(round, conversation, its messages so far) for each request: round r asks each conversation
+    opened by ``texts`` its r-th question in turn. The caller appends each reply to the messages."""
+    system = {"role": "system", "content": SYSTEM}
+    conversations = [[system, {"role": "user", "content": text}] for text in texts]
+    for round_index in range(rounds):
+        for index, messages in enumerate(conversations):
+            if round_index:
+                follow_up = FOLLOW_UPS[(round_index - 1) % len(FOLLOW_UPS)]
+                messages.append({"role": "user", "content": follow_up})
+            yield round_index, index, messages
+
+
 def run_switching(
     engine: Engine,
     cold_engine: Engine,
@@ -63,43 +76,35 @@ def run_switching(
     """One record per request: round r asks each conversation its r-th question in turn on
     ``engine``; right after, ``cold_engine`` (no prompt cache) answers the same prompt from empty
     caches, so each return is compared with its own cold first token in the same minute."""
-    conversations = [
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
-        for text in openings(n_conversations)
-    ]
     engine.clear_caches()
     records = []
-    for round_index in range(rounds):
-        for index, messages in enumerate(conversations):
-            if round_index:
-                follow_up = FOLLOW_UPS[(round_index - 1) % len(FOLLOW_UPS)]
-                messages.append({"role": "user", "content": follow_up})
-            prompt = engine.tokenize_chat(messages)
-            warm = timed_generation(engine, prompt, config)
-            messages.append({"role": "assistant", "content": warm.text})
-            cold_engine.clear_caches()
-            cold = timed_generation(cold_engine, prompt, config.with_changes(max_tokens=1))
-            stats = warm.stats
-            records.append(
-                {
-                    "round": round_index,
-                    "conversation": index,
-                    "prompt_tokens": len(prompt),
-                    "cached_tokens": stats.n_prompt_tokens - stats.n_prompt_decoded,
-                    "source": stats.prompt_cache,
-                    "ttft_ms": warm.ttft_ms,
-                    "cold_ttft_ms": cold.ttft_ms,
-                    "restore_ms": stats.prompt_cache_restore_ms,
-                    "save_ms": stats.prompt_cache_save_ms,
-                    "cache_mib": engine.prompt_cache.n_bytes / 2**20,
-                    "rss_mb": current_rss_mb(),
-                }
-            )
-            progress(
-                f"round {round_index} conversation {index}: {len(prompt)} prompt tokens, "
-                f"{records[-1]['cached_tokens']} cached ({stats.prompt_cache or 'none'}), first token "
-                f"{warm.ttft_ms:.0f} ms against {cold.ttft_ms:.0f} ms cold"
-            )
+    for round_index, index, messages in asked_in_turn(openings(n_conversations), rounds):
+        prompt = engine.tokenize_chat(messages)
+        warm = timed_generation(engine, prompt, config)
+        messages.append({"role": "assistant", "content": warm.text})
+        cold_engine.clear_caches()
+        cold = timed_generation(cold_engine, prompt, config.with_changes(max_tokens=1))
+        stats = warm.stats
+        records.append(
+            {
+                "round": round_index,
+                "conversation": index,
+                "prompt_tokens": len(prompt),
+                "cached_tokens": stats.n_prompt_tokens - stats.n_prompt_decoded,
+                "source": stats.prompt_cache,
+                "ttft_ms": warm.ttft_ms,
+                "cold_ttft_ms": cold.ttft_ms,
+                "restore_ms": stats.prompt_cache_restore_ms,
+                "save_ms": stats.prompt_cache_save_ms,
+                "cache_mib": engine.prompt_cache.n_bytes / 2**20,
+                "rss_mb": current_rss_mb(),
+            }
+        )
+        progress(
+            f"round {round_index} conversation {index}: {len(prompt)} prompt tokens, "
+            f"{records[-1]['cached_tokens']} cached ({stats.prompt_cache or 'none'}), first token "
+            f"{warm.ttft_ms:.0f} ms against {cold.ttft_ms:.0f} ms cold"
+        )
     return records
 
 
