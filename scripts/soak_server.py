@@ -8,13 +8,19 @@ The requests rotate through chat and completions, streaming and not, over the me
 drafters; clients that hang up mid-stream; cancels (a request whose client goes away before the
 answer); invalid requests (each must get its documented status and code); stalled connections
 (idle, partial headers, a short body: each must be closed by the server within its timeout + 5 s);
-and, every 50 requests, a burst of max-queue + 3 at once, so that the queue overflows. Meanwhile a
+and, every 50 requests, a burst of max-queue + 3 at once, so that the queue overflows. With
+--conversations N (default 6), every fifth request returns to one of N long conversations (the
+first every other time, the others in turn), so that the prompt cache (--cache-ram MIB) saves,
+restores and evicts all along. Meanwhile a
 thread polls GET /health every 50 ms. At the end a long stream is running when SIGTERM arrives.
 
 Violations: a 5xx other than the documented 503s (queue_full, shutting_down, model_loading,
 too_many_connections); an answer of the wrong shape or status; a cache inconsistency (the server
 runs with ``debug``: it checks the engine's caches after every generation, Engine.check_caches,
-and reports at GET /debug/caches); RSS growth after warm-up over --max-rss-growth-mb; /health p99
+and reports at GET /debug/caches); RSS less the prompt cache's bytes growing after warm-up over
+--max-rss-growth-mb; the prompt cache holding more than --cache-ram, or RSS at the end over RSS
+with the models loaded + --cache-ram + --max-rss-overhead-mb; switching that never saved or
+restored a conversation; /health p99
 over --max-health-p99-ms, or /health not 200; a stalled socket left open; SIGTERM not ending the
 process with 0 within 30 s; a traceback in the server's log.
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -60,6 +67,8 @@ ROTATION = [
     "stream",
     "stall",
 ]
+SWITCH_EVERY = 5  # with --conversations, every fifth request returns to a long conversation
+CONVERSATION_WORDS = ("the", "of", "and", "to", "in", "is", "it", "you", "that", "was", "for", "on", "are")
 SPECULATIVE = [
     {"method": "cactus", "delta": 0.5},
     {"method": "sps"},
@@ -89,7 +98,8 @@ class Run:
     """Everything measured, for the summary and the exit code."""
 
     outcomes: list[Outcome] = field(default_factory=list)
-    rss_mb: list[tuple[int, float]] = field(default_factory=list)  # (requests done, RSS)
+    rss_mb: list[tuple[int, float, float]] = field(default_factory=list)  # (requests done, RSS, cache MB)
+    loaded_rss_mb: float = float("nan")  # with the models loaded, before any request
     health_ms: list[float] = field(default_factory=list)
     health_problems: list[str] = field(default_factory=list)
     stalls: list[tuple[socket.socket, float, str]] = field(default_factory=list)  # (socket, opened, timeout)
@@ -120,7 +130,7 @@ def serve_child(args) -> None:
     )
 
     def load():
-        return engine_from_args(args)
+        return engine_from_args(args, cache_ram_mib=args.cache_ram)
 
     def announce(server) -> None:
         print(json.dumps({"event": "listening", "url": server.url, "pid": os.getpid()}), flush=True)
@@ -130,6 +140,8 @@ def serve_child(args) -> None:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, __file__, "--child", "--max-queue", str(args.max_queue), *model_flags(args)]
+    command += ["--cache-ram", str(args.cache_ram), "--conversations", str(args.conversations)]
+    command += ["--max-tokens", str(args.max_tokens)]
     for name in TIMEOUTS:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return start_and_read_url(command, "soak-server")
@@ -179,6 +191,38 @@ def complete(http, index: int, args, chat: bool) -> Outcome:
     text = choice["message"]["content"] if chat else choice["text"]
     problem = None if isinstance(text, str) and body["usage"]["completion_tokens"] >= 0 else "bad body"
     return Outcome(kind, 200, seconds, problem)
+
+
+def conversation_words(args) -> int:
+    """How many words a switching conversation has: 1-2 tokens each, so that it is long enough
+    to be kept (256 tokens) and fits with room to answer."""
+    return max(200, args.n_ctx // 6)
+
+
+def conversation_number(index: int, n_conversations: int) -> int:
+    """The index-th switch's conversation: the first one every other time (the one a user keeps
+    returning to, which stays in the cache), the others in turn between (which evict)."""
+    if n_conversations == 1 or index % 2 == 0:
+        return 0
+    return 1 + (index // 2) % (n_conversations - 1)
+
+
+def switch(http, index: int, args) -> Outcome:
+    """The index-th return to a long conversation: the same prompt each time it comes back."""
+    number = conversation_number(index, args.conversations)
+    rng = random.Random(number)
+    words = " ".join(rng.choice(CONVERSATION_WORDS) for _ in range(conversation_words(args)))
+    messages = [{"role": "user", "content": f"{number}: {words}"}]
+    body = {**body_for(index, args), "messages": messages, "temperature": 0.0}
+    begin = time.perf_counter()
+    response = http.post("/v1/chat/completions", json=body)
+    seconds = time.perf_counter() - begin
+    if response.status_code != 200:
+        code = error_code(response)
+        return Outcome("switch", response.status_code, seconds, f"a conversation got {code}", code)
+    usage = response.json().get("usage", {})
+    problem = None if usage.get("prompt_tokens", 0) >= 256 else f"a short conversation: {usage}"
+    return Outcome("switch", 200, seconds, problem)
 
 
 def stream(
@@ -325,6 +369,19 @@ def finishes(url: str) -> dict[str, int]:
     return found
 
 
+def prompt_cache_metrics(url: str) -> dict[str, float]:
+    """The prompt cache's figures from /metrics, by name without the prefix."""
+    import httpx
+
+    prefix = "cactus_edge_prompt_cache_"
+    lines = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+    return {
+        line.split()[0].removeprefix(prefix): float(line.split()[-1])
+        for line in lines
+        if line.startswith(prefix)
+    }
+
+
 def burst(url: str, index: int, args, run: Run) -> None:
     """max_queue + 3 streaming requests at once: the queue overflows (503 queue_full)."""
     import httpx
@@ -364,7 +421,9 @@ def poll_health(url: str, run: Run, stop: threading.Event) -> None:
 
 
 def one_step(kind: str, http, url: str, index: int, args, run: Run) -> None:
-    if kind in ("chat", "completion"):
+    if args.conversations and index % SWITCH_EVERY == SWITCH_EVERY - 1:
+        run.add(switch(http, index // SWITCH_EVERY, args))
+    elif kind in ("chat", "completion"):
         run.add(complete(http, index, args, chat=kind == "chat"))
     elif kind in ("stream", "stream_completion"):
         run.add(stream(http, index, args, chat=kind == "stream"))
@@ -381,7 +440,7 @@ def one_step(kind: str, http, url: str, index: int, args, run: Run) -> None:
 def soak(url: str, pid: int, args) -> Run:
     import httpx
 
-    run, stop = Run(), threading.Event()
+    run, stop = Run(loaded_rss_mb=rss_mb(pid)), threading.Event()
     poller = threading.Thread(target=poll_health, args=(url, run, stop), daemon=True)
     poller.start()
     try:
@@ -398,7 +457,8 @@ def soak(url: str, pid: int, args) -> Run:
                 step += 1
                 done = len(run.outcomes)
                 if done >= args.warmup and (not run.rss_mb or done - run.rss_mb[-1][0] >= 10):
-                    run.rss_mb.append((done, rss_mb(pid)))
+                    cache_mb = prompt_cache_metrics(url).get("bytes", 0.0) / 2**20
+                    run.rss_mb.append((done, rss_mb(pid), cache_mb))
                 if step % 50 == 0:
                     print(f"{done} requests, RSS {rss_mb(pid):.0f} MB", file=sys.stderr, flush=True)
     finally:
@@ -462,7 +522,10 @@ def violations(run: Run, audit: dict, term: dict, log: str, args) -> list[str]:
         found.append(f"/health p99 {percentile(run.health_ms, 99):.0f} ms > {args.max_health_p99_ms} ms")
     growth = rss_growth(run)
     if growth is not None and growth > args.max_rss_growth_mb:
-        found.append(f"RSS grew {growth:.1f} MB after warm-up > {args.max_rss_growth_mb} MB")
+        found.append(
+            f"RSS less the prompt cache grew {growth:.1f} MB after warm-up > {args.max_rss_growth_mb} MB"
+        )
+    found += memory_bound_problems(run, audit, args)
     found += [f"cache: {p}" for p in audit["problems"]]
     if audit["checked"] == 0:
         found.append("the cache audit checked no generation")
@@ -483,10 +546,34 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def rss_growth(run: Run) -> float | None:
-    return run.rss_mb[-1][1] - run.rss_mb[0][1] if len(run.rss_mb) > 1 else None
+    """How much RSS less the prompt cache's bytes grew from the first sample after warm-up."""
+    if len(run.rss_mb) < 2:
+        return None
+    (_, first, first_cache), (_, last, last_cache) = run.rss_mb[0], run.rss_mb[-1]
+    return (last - last_cache) - (first - first_cache)
 
 
-def table(run: Run, audit: dict, term: dict, found: list[str]) -> str:
+def memory_bound_problems(run: Run, audit: dict, args) -> list[str]:
+    """The prompt cache within --cache-ram at every sample; RSS at the end within the models'
+    RSS + the bound + --max-rss-overhead-mb; and switching that did use the cache."""
+    found = []
+    held = max((cache for _, _, cache in run.rss_mb), default=0.0)
+    if held > args.cache_ram:
+        found.append(f"the prompt cache held {held:.1f} MiB > --cache-ram {args.cache_ram}")
+    if run.rss_mb:
+        allowed = run.loaded_rss_mb + args.cache_ram * 2**20 / 1e6 + args.max_rss_overhead_mb
+        if run.rss_mb[-1][1] > allowed:
+            found.append(
+                f"RSS {run.rss_mb[-1][1]:.0f} MB at the end > {run.loaded_rss_mb:.0f} MB loaded "
+                f"+ {args.cache_ram} MiB cache + {args.max_rss_overhead_mb:g} MB"
+            )
+    cache = audit.get("prompt_cache", {})
+    if args.conversations and args.cache_ram and not (cache.get("saves_total") and cache.get("hits_total")):
+        found.append(f"switching conversations neither saved nor restored one: {cache}")
+    return found
+
+
+def table(run: Run, audit: dict, term: dict, found: list[str], args) -> str:
     rows = ["| kind | requests | statuses | p50 ms | max ms | problems |", "|---|---|---|---|---|---|"]
     by_kind: dict[str, list[Outcome]] = {}
     for outcome in run.outcomes:
@@ -499,14 +586,21 @@ def table(run: Run, audit: dict, term: dict, found: list[str]) -> str:
             f"{statistics.median(ms):.0f} | {max(ms):.0f} | {sum(1 for o in outcomes if o.problem)} |"
         )
     growth, ends = rss_growth(run), run.rss_mb[:1] + run.rss_mb[-1:]
+    cache = audit.get("prompt_cache", {})
     rows += [
         "",
         "| check | value |",
         "|---|---|",
         f"| /health polls, p50 / p99 / max ms | {len(run.health_ms)}, {percentile(run.health_ms, 50):.1f} / "
         f"{percentile(run.health_ms, 99):.1f} / {percentile(run.health_ms, 100):.1f} |",
-        f"| RSS after warm-up → end MB | {' → '.join(f'{mb:.1f}' for _, mb in ends)} "
-        f"({'n/a' if growth is None else f'{growth:+.1f}'}) |",
+        f"| RSS loaded, after warm-up → end MB | {run.loaded_rss_mb:.1f}, "
+        f"{' → '.join(f'{mb:.1f}' for _, mb, _ in ends)} |",
+        f"| prompt cache after warm-up → end MiB (bound) | "
+        f"{' → '.join(f'{cache_mb:.1f}' for _, _, cache_mb in ends)} ({args.cache_ram}) |",
+        f"| RSS less the prompt cache, growth after warm-up MB | "
+        f"{'n/a' if growth is None else f'{growth:+.1f}'} |",
+        f"| prompt cache: saves, hits, evictions | {cache.get('saves_total', 0):.0f}, "
+        f"{cache.get('hits_total', 0):.0f}, {cache.get('evictions_total', 0):.0f} |",
         f"| cache audit: generations checked, problems | {audit['checked']}, {audit['n_problems']} |",
         f"| stalled sockets, all closed by their timeouts unless a violation says so | {len(run.stalls)} |",
         f"| generations by finish reason | {audit['finishes']} |",
@@ -525,7 +619,15 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-queue", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=None, help="requests before the RSS baseline")
-    parser.add_argument("--max-rss-growth-mb", type=float, default=20.0)
+    parser.add_argument("--max-rss-growth-mb", type=float, default=20.0, help="of RSS less the prompt cache")
+    parser.add_argument("--cache-ram", type=int, default=64, help="the prompt cache's bound, MiB")
+    parser.add_argument("--conversations", type=int, default=6, help="long conversations to switch between")
+    parser.add_argument(
+        "--max-rss-overhead-mb",
+        type=float,
+        default=150.0,
+        help="end RSS over the models' + the cache's bound",
+    )
     parser.add_argument("--max-health-p99-ms", type=float, default=100.0)
     for name in TIMEOUTS:
         default = getattr(ServerSettings, name)
@@ -533,6 +635,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default="bench-out/soak-server")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.conversations:
+        args.n_ctx = max(args.n_ctx, 2 * conversation_words(args) + 4 * args.max_tokens)
     if args.warmup is None:
         args.warmup = max(20, args.requests // 10)
     return args
@@ -548,6 +652,7 @@ def main() -> int:
         run = soak(url, process.pid, args)
         audit = cache_audit(url)
         audit["finishes"] = finishes(url)
+        audit["prompt_cache"] = prompt_cache_metrics(url)
         stall_problems = check_stalls(run, args)
         term = sigterm(process, url, args)
     finally:
@@ -556,7 +661,7 @@ def main() -> int:
             process.wait(30)
     log = Path(process.log_path).read_text(errors="replace")
     found = stall_problems + violations(run, audit, term, log, args)
-    summary = table(run, audit, term, found)
+    summary = table(run, audit, term, found, args)
     print(summary)
     for problem in found[:30]:
         print(f"violation: {problem}", file=sys.stderr)
@@ -569,6 +674,7 @@ def main() -> int:
         "cache_audit": audit,
         "sigterm": term,
         "rss_mb": run.rss_mb,
+        "loaded_rss_mb": run.loaded_rss_mb,
         "health_ms": {"n": len(run.health_ms), "p50": percentile(run.health_ms, 50),
                       "p99": percentile(run.health_ms, 99), "max": percentile(run.health_ms, 100)},
         "server_log": process.log_path,

@@ -189,6 +189,14 @@ def test_harmless_fields_are_ignored_and_reported(field, value):
     assert request.ignored == (field,)
 
 
+def test_the_prompt_cache_key_reaches_the_engine_and_is_checked():
+    request = parse_request({"prompt_cache_key": "user-1", "messages": MESSAGES})
+    assert request.config.cache_key == "user-1" and request.ignored == ()
+    with pytest.raises(InvalidSettingError) as raised:
+        parse_request({"prompt_cache_key": 5, "messages": MESSAGES})
+    assert raised.value.param == "prompt_cache_key"
+
+
 @pytest.mark.parametrize(
     "body, changes",
     [

@@ -240,6 +240,54 @@ def test_an_entry_that_another_covers_is_dropped():
     assert len(cache) == 1
 
 
+def _entry(tokens, key=None):
+    return CacheEntry({"target": SavedState(tuple(tokens), bytearray(len(tokens)))}, key=key)
+
+
+def test_the_key_breaks_ties_and_never_beats_a_longer_prefix():
+    cache = PromptCache(10_000)
+    system = list(range(1, 41))
+    mine, theirs = _entry([*system, 7, 7], key="a"), _entry([*system, 8, 8], key="b")
+    longer = _entry([*system, 9, 9, 9], key="b")
+    cache.add(mine)
+    cache.add(theirs)
+    new_prompt = [*system, 5, 5]
+    assert cache.best("target", new_prompt, "a") == (mine, len(system))
+    assert cache.best("target", new_prompt, "b") == (theirs, len(system))
+    assert cache.best("target", new_prompt) == (theirs, len(system))  # no key: the most recent
+    cache.add(longer)
+    assert cache.best("target", [*system, 9, 9, 5], "a") == (longer, len(system) + 2)
+    assert cache.best("target", [3, 3, 3], "a") == (None, 0)  # its key restores no differing token
+
+
+def test_a_request_with_a_key_restores_its_own_entry_among_equals(engine):
+    system = conversation(160, 60)
+    first = conversation(161, 80, shared=system)
+    second = conversation(162, 80, shared=system)
+
+    def ask(prompt, key):
+        return engine.generate(prompt, GenerationConfig(method="none", cache_key=key, **GREEDY))
+
+    ask(first, "a")
+    ask(second, "b")  # saves the first conversation under "a"
+    ask(conversation(163), None)  # saves the second under "b"
+    keys = {entry.states["target"].tokens[: len(first)]: entry.key for entry in engine.prompt_cache.entries()}
+    assert keys[tuple(first)] == "a" and keys[tuple(second)] == "b"
+    new = conversation(164, 80, shared=system)
+    reply = ask(new, "a")
+    assert reply.stats.prompt_cache == "memory"
+    assert reply.stats.n_prompt_decoded == len(new) - len(system)  # only the shared part came back
+    # The key's entry was restored (touched), then the live cache saved: without the key the more
+    # recent "b" would have been.
+    assert [entry.key for entry in engine.prompt_cache.entries()] == ["b", "a", None]
+    assert engine.check_caches([*new, *reply.tokens]) == []
+
+
+def test_a_key_that_is_not_a_string_is_refused():
+    with pytest.raises(InvalidSettingError, match="cache_key"):
+        GenerationConfig(cache_key=5)
+
+
 # --- on disk -----------------------------------------------------------------------------------
 
 
@@ -330,6 +378,43 @@ def test_another_setups_files_are_neither_restored_nor_deleted(tiny_pair, tmp_pa
         assert other_context.prompt_cache.folder.files() == []
         reply = other_context.generate(conversation(120), GenerationConfig(method="none", **GREEDY))
         assert reply.stats.prompt_cache != "disk"
+    assert path.exists()
+
+
+def use_f32_cells(monkeypatch):
+    """Models created from now on keep f32 KV cells (llama.cpp's default is f16)."""
+    from cactus_edge.llama import model as model_module
+
+    defaults = model_module.llama_cpp.llama_context_default_params
+    ggml_type_f32 = 0
+
+    def with_f32_cells():
+        params = defaults()
+        params.type_k = params.type_v = ggml_type_f32
+        return params
+
+    monkeypatch.setattr(model_module.llama_cpp, "llama_context_default_params", with_f32_cells)
+
+
+def test_another_kv_type_never_restores_a_saved_state(tiny_pair, tmp_path, model, monkeypatch):
+    """Saved with f16 cells: an engine with f32 cells finds no file of its setup (and deletes none),
+    and llama.cpp refuses the state itself."""
+    path = _keep_one(tiny_pair, tmp_path)
+    model.reset()
+    model.decode(conversation(5, 30))
+    f16_state = model.save_state()
+    use_f32_cells(monkeypatch)
+    with Engine.load(
+        str(tiny_pair[0]), str(tiny_pair[1]), n_ctx=512, n_threads=TEST_THREADS, cache_dir=tmp_path
+    ) as f32_engine:
+        assert f32_engine.target.kv_types == (0, 0) != model.kv_types
+        assert f32_engine.prompt_cache.folder.files() == []
+        reply = f32_engine.generate(conversation(120), GenerationConfig(method="none", **GREEDY))
+        assert reply.stats.prompt_cache != "disk"
+        f32_engine.target.reset()
+        with pytest.raises(BackendError):
+            f32_engine.target.restore_state(f16_state)
+        assert f32_engine.target.tokens == [] and f32_engine.target.cache_range() == (-1, -1)
     assert path.exists()
 
 

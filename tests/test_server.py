@@ -837,8 +837,9 @@ def test_returning_to_a_conversation_comes_back_from_the_prompt_cache(server, cl
     server.app.engine.prompt_cache.min_tokens = 16
     first, other = _long_conversation(1), _long_conversation(2)
     ask = dict(model=MODEL, max_tokens=3, extra_body=GREEDY)
-    cold = client.chat.completions.create(messages=first, **ask)
+    cold = client.chat.completions.create(messages=first, prompt_cache_key="first", **ask)
     client.chat.completions.create(messages=other, **ask)
+    assert "first" in [entry.key for entry in server.app.engine.prompt_cache.entries()]
     hits_before = server.app.engine.prompt_cache.counters.hits
     again = client.chat.completions.create(messages=first, **ask)
     assert again.choices[0].message.content == cold.choices[0].message.content

@@ -614,10 +614,16 @@ def test_soak_server_runs_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
     # machine a few scheduling hiccups pass the script's 100 ms default (p99 31-61 ms, max 130 ms
     # at load 6). A 1 s bound is kept against a /health that waits on generations; the verdict
     # itself (a p99 over the bound is a violation, exit 1) is the next test's.
-    result = run_soak(tiny_pair, tmp_path, "--requests", "60", "--max-health-p99-ms", "1000")
+    # --cache-ram 1: seven of the tiny models' long conversations (~0.2 MiB each) overflow it, so the
+    # switching requests save, restore and evict.
+    flags = ("--requests", "80", "--max-health-p99-ms", "1000", "--cache-ram", "1", "--conversations", "8")
+    result = run_soak(tiny_pair, tmp_path, *flags)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "soak_server.json").read_text())
-    assert summary["violations"] == [] and summary["requests"] == 60
+    assert summary["violations"] == [] and summary["requests"] == 80
+    cache = summary["cache_audit"]["prompt_cache"]
+    assert cache["hits_total"] > 0 and cache["evictions_total"] > 0 and cache["max_bytes"] == 2**20
+    assert all(cache_mb <= 1 for _, _, cache_mb in summary["rss_mb"])
     assert summary["cache_audit"]["checked"] > 0 and summary["sigterm"]["exit_code"] == 0
     assert summary["cache_audit"]["finishes"].get("cancelled", 0) > 0  # hang-ups and cancels cancel
     assert "| kind |" in result.stdout and "| burst |" in result.stdout
@@ -625,8 +631,10 @@ def test_soak_server_runs_end_to_end_on_the_tiny_pair(tiny_pair, tmp_path):
 
 @pytest.mark.timeout(900)  # the script's own 600 s limit (run_soak) reports first
 def test_soak_server_exits_non_zero_on_a_violation(tiny_pair, tmp_path):
-    result = run_soak(tiny_pair, tmp_path, "--requests", "12", "--max-health-p99-ms", "0")
+    flags = ("--requests", "30", "--max-health-p99-ms", "0", "--max-rss-overhead-mb", "-1000")
+    result = run_soak(tiny_pair, tmp_path, *flags)
     assert result.returncode == 1 and "violation: /health p99" in result.stderr, result.stderr[-3000:]
+    assert "violation: RSS" in result.stderr and "MiB cache" in result.stderr  # the memory bound
 
 
 def test_stopping_answers_a_request_still_arriving_at_once(serve, engine):

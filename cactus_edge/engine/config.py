@@ -148,6 +148,9 @@ class GenerationConfig:
     # alternatives (0..20).
     logprobs: bool = False
     top_logprobs: int = 0
+    # The client's prompt_cache_key: among saved caches sharing as long a prefix, one saved under
+    # this key is restored first. A hint; it never restores tokens that differ.
+    cache_key: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize_constraints()
@@ -195,6 +198,10 @@ class GenerationConfig:
         if self.grammar_trigger is not None and self.grammar_source is None:
             raise InvalidSettingError("grammar_trigger needs a grammar to start", param="grammar_trigger")
         _ = self.grammar_source
+        if self.cache_key is not None and not isinstance(self.cache_key, str):
+            raise InvalidSettingError(
+                f"cache_key must be a string, got {self.cache_key!r}", param="cache_key"
+            )
 
     @property
     def grammar_source(self) -> str | None:

@@ -71,7 +71,9 @@ class Generation:
         that never drafts with it never prefills it."""
         for model in self.engine.models:
             model.sync_cache()  # cheap insurance: llama.cpp holds exactly what the mirror says
-        prepared = prepare_caches(self.engine.models_by_role, self.engine.prompt_cache, self.committed[:-1])
+        prepared = prepare_caches(
+            self.engine.models_by_role, self.engine.prompt_cache, self.committed[:-1], self.config.cache_key
+        )
         self.stats.n_prompt_decoded = len(self.committed) - self.target.n_past
         self.stats.prompt_cache = prepared.source
         self.stats.prompt_cache_restore_ms = prepared.restore_ms

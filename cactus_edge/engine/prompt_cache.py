@@ -40,6 +40,7 @@ class CacheEntry:
 
     states: dict[str, SavedState]
     kept_at: Path | None = None  # its file in the cache folder, once written there
+    key: str | None = None  # the client's prompt_cache_key when it was saved: breaks ties only
 
     @property
     def n_bytes(self) -> int:
@@ -88,6 +89,7 @@ class PromptCache:
         self._entries: OrderedDict[CacheEntry, None] = OrderedDict()  # keys by identity, oldest first
         self._lock = threading.Lock()  # readers (metrics) may ask from other threads
         self.counters = CacheCounters()
+        self.live_key: str | None = None  # the key of the request the live caches hold
 
     @property
     def enabled(self) -> bool:
@@ -111,15 +113,18 @@ class PromptCache:
         with self._lock:
             self._entries.clear()
 
-    def best(self, role: str, wanted: Sequence[int]) -> tuple[CacheEntry | None, int]:
-        """The entry whose ``role`` text shares the longest prefix with ``wanted``, and its length."""
-        best, best_n = None, 0
-        for entry in self.entries():
+    def best(self, role: str, wanted: Sequence[int], key: str | None = None) -> tuple[CacheEntry | None, int]:
+        """The entry whose ``role`` text shares the longest prefix with ``wanted``, and its length.
+        Among entries sharing as much, one saved under ``key`` wins, then the most recently used:
+        the key groups a client's entries but never makes differing tokens count."""
+        best, best_rank = None, (0, False)
+        for entry in self.entries():  # least recently used first: a later equal rank wins
             state = entry.states.get(role)
             n = common_prefix(state.tokens, wanted) if state else 0
-            if n > best_n:
-                best, best_n = entry, n
-        return best, best_n
+            rank = (n, key is not None and entry.key == key)
+            if n > 0 and rank >= best_rank:
+                best, best_rank = entry, rank
+        return best, best_rank[0]
 
     def add(self, entry: CacheEntry) -> bool:
         """Keep ``entry`` as the most recently used; drop the entries it covers, then the least
@@ -195,19 +200,22 @@ class PromptCache:
         }
 
 
-def prepare_caches(models: Models, cache: PromptCache | None, wanted: Sequence[int]) -> Preparation:
+def prepare_caches(
+    models: Models, cache: PromptCache | None, wanted: Sequence[int], key: str | None = None
+) -> Preparation:
     """Leave each model's cache holding the longest prefix of ``wanted`` that the live cache or a
     saved entry (in memory, or in the folder) has, decoding nothing. The live cache is saved first
     when the prompt would discard at least ``cache.min_tokens`` tokens of it and no entry holds
-    them yet. A restore that llama.cpp refuses drops the entry and leaves the caches to prefill:
-    the request never fails for the cache's sake."""
+    them yet. ``key`` (the client's prompt_cache_key) prefers that client's entries among equals.
+    A restore that llama.cpp refuses drops the entry and leaves the caches to prefill: the request
+    never fails for the cache's sake."""
     preparation = Preparation()
     live = {role: common_prefix(model.tokens, wanted) for role, model in models.items()}
     usable = cache is not None and cache.enabled and all(m.supports_saved_states for m in models.values())
     entry, source = None, None
     if usable:
         start = time.perf_counter()
-        entry, source = _best_entry(cache, wanted, live["target"] + MIN_RESTORE_GAIN)
+        entry, source = _best_entry(cache, wanted, live["target"] + MIN_RESTORE_GAIN, key)
         preparation.restore_ms += (time.perf_counter() - start) * 1000  # reading a file is restoring
         _save_live(models, cache, live, preparation)
         if source == "disk":
@@ -221,6 +229,7 @@ def prepare_caches(models: Models, cache: PromptCache | None, wanted: Sequence[i
     preparation.source = source if restored else ("live" if models["target"].n_past else None)
     if usable:
         _count(cache.counters, preparation)
+        cache.live_key = key
     return preparation
 
 
@@ -243,17 +252,17 @@ def _restore_all(
 
 
 def _best_entry(
-    cache: PromptCache, wanted: Sequence[int], at_least: int
+    cache: PromptCache, wanted: Sequence[int], at_least: int, key: str | None
 ) -> tuple[CacheEntry | None, str | None]:
     """The entry to restore, and where it was ("memory" or "disk"): the one sharing the longest
     prefix with ``wanted``, if that is at least ``at_least`` tokens; a kept file only when it beats
     every entry in memory (reading it costs more)."""
-    entry, n_entry = cache.best("target", wanted)
+    entry, n_entry = cache.best("target", wanted, key)
     kept, n_kept = cache.best_kept(wanted)
     if kept is not None and n_kept > n_entry and n_kept >= at_least:
         states = cache.folder.load(kept)
         if states is not None:
-            return CacheEntry(states, kept_at=kept.path), "disk"
+            return CacheEntry(states, kept_at=kept.path, key=key), "disk"
     if entry is not None and n_entry >= at_least:
         cache.touch(entry)  # the most recently used, so that saving the live cache keeps it
         return entry, "memory"
@@ -294,7 +303,7 @@ def _live_entry(models: Models, cache: PromptCache, preparation: Preparation | N
         return held
     start = time.perf_counter()
     try:
-        entry = CacheEntry({role: models[role].save_state() for role in texts})
+        entry = CacheEntry({role: models[role].save_state() for role in texts}, key=cache.live_key)
     except BackendError as error:
         log.warning("prompt cache: the live cache was not saved: %s", error)
         return None

@@ -11,8 +11,10 @@ How each request field is treated:
   ``schema`` as llama-cpp-python takes it, ``json_schema``), ``tools`` / ``tool_choice`` /
   ``parallel_tool_calls`` (:mod:`cactus_edge.constraints.tools`), llama-cpp-python's ``repeat_penalty`` and
   llama-server's ``repeat_last_n``, our ``grammar`` (Lark, llguidance's syntax) and ``regex``,
-  and our extension ``speculative: {"method", "delta", "n_draft", "drafter", "draft_p_min",
-  "kl_budget", "posterior_threshold", "posterior_alpha"}``.
+  ``prompt_cache_key`` (among saved prompt caches sharing as long a prefix, the key's own are
+  restored first; it never restores differing tokens), and our extension ``speculative:
+  {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget", "posterior_threshold",
+  "posterior_alpha"}``.
 * Accepted at their neutral value only (:data:`NEUTRAL_ONLY`): a field whose other values would
   change what the client gets back, so ignoring them would silently answer a different question:
   ``n`` (1), ``functions`` (empty), ``function_call`` ("none"), ``modalities`` (["text"]),
@@ -76,6 +78,7 @@ SETTINGS = (
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "prompt_cache_key",
 )
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for completions' logprobs count
 
@@ -98,7 +101,6 @@ IGNORED = frozenset(
         "store",
         "service_tier",
         "prediction",
-        "prompt_cache_key",
         "safety_identifier",
     }
 )
@@ -214,7 +216,11 @@ def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None)
     changes.update(_response_format_changes(present.get("response_format")))
     tools = parse_tools(present.get("tools"), present.get("tool_choice"), present.get("parallel_tool_calls"))
     changes.update(_tool_changes(tools, changes))
-    names.update({"json_schema": "response_format", "grammar_trigger": "tools"})
+    if "prompt_cache_key" in present:
+        changes["cache_key"] = present["prompt_cache_key"]
+    names.update(
+        {"json_schema": "response_format", "grammar_trigger": "tools", "cache_key": "prompt_cache_key"}
+    )
     if tools is not None and tools.constrained:
         names["grammar"] = "tool_choice"
     speculative = _speculative_changes(present.get("speculative"))
