@@ -48,6 +48,9 @@ from .loading import ForeignTokens, load_models
 from .prompt_cache import PromptCache, keep_live
 from .stats import GenerationStats, StepStats
 
+# A prompt that does not fit is told which --n-ctx would hold it with this much room to reply.
+REPLY_ROOM = 1024
+
 __all__ = ["Engine", "GenerationConfig", "GenerationResult", "GenerationStats", "StepStats", "StreamEvent"]
 
 
@@ -343,9 +346,11 @@ class Engine:
                 f"logit_bias token ids must be in [0, {target.vocab_size})", param="logit_bias"
             )
         if len(prompt_tokens) >= n_ctx:
+            needed = -(-(len(prompt_tokens) + REPLY_ROOM) // 1024) * 1024
             raise ContextLengthError(
                 f"the prompt has {len(prompt_tokens)} tokens but the context holds {n_ctx} "
-                "(with room for at least one generated token); shorten it or raise --n-ctx"
+                f"(with room for at least one generated token); shorten it, or load the model with "
+                f"--n-ctx {needed} or more ({REPLY_ROOM:,} tokens for the reply)"
             )
 
 

@@ -16,6 +16,7 @@ class StopFilter:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.pending: list[StreamEvent] = []
+        self.hit: str | None = None  # the stop string that ended the text, once one has
 
     def push(self, event: StreamEvent) -> tuple[list[StreamEvent], bool]:
         """(events safe to hand out now, whether a stop string was hit)."""
@@ -23,9 +24,11 @@ class StopFilter:
         if not self.stops:
             return self.release(len(self.pending)), False
         text = "".join(e.text for e in self.pending)
-        hits = [text.find(s) for s in self.stops if s in text]
+        hits = sorted((text.find(stop), index) for index, stop in enumerate(self.stops) if stop in text)
         if hits:
-            return self.cut(min(hits)), True
+            position, index = hits[0]
+            self.hit = self.stops[index]
+            return self.cut(position), True
         held = max((self._held_length(text, stop) for stop in self.stops), default=0)
         boundary, n_ready = len(text) - held, 0
         offset = 0
@@ -92,6 +95,7 @@ class Output:
             if not hit:
                 ready += self.stop_filter.release(len(self.stop_filter.pending))
         self.stats.finish_reason = "stop" if hit else finish
+        self.stats.stop_string = self.stop_filter.hit
         tail = "".join(e.text for e in ready if e.token is None)
         final = StreamEvent(tail, None, finish_reason=self.stats.finish_reason, stats=self.stats)
         return [e for e in ready if e.token is not None], final

@@ -103,6 +103,7 @@ class GenerationStats:
     kl_total: float = 0.0
     kl_budget: float | None = None
     finish_reason: FinishReason | None = None
+    stop_string: str | None = None  # the stop string that ended the reply, if one did
     steps: list[StepStats] = field(default_factory=list)
     profile_ms: dict[str, float] = field(default_factory=dict)  # ms per PROFILE_PARTS entry
 

@@ -1,8 +1,8 @@
-"""Admitting a generation request (POST /v1/chat/completions and /v1/completions): a place in the
-queue before anything is read (a full queue costs a refused request nothing but its headers),
-then the body read and parsed (:mod:`.parsing`), the prompt tokenized one at a time, the request
-checked by the engine (``Engine.check_request``), a :class:`~.scheduler.Job` handed to the
-scheduler, and the answer (:mod:`.streaming`)."""
+"""Admitting a generation request (chat, completions, Responses, Messages: :mod:`.apis`): a place
+in the queue before anything is read (a full queue costs a refused request nothing but its
+headers), then the body read, converted to a chat request by its API and parsed (:mod:`.parsing`),
+the prompt tokenized one at a time, the request checked by the engine (``Engine.check_request``),
+a :class:`~.scheduler.Job` handed to the scheduler, and the answer (:mod:`.streaming`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from collections.abc import Mapping
 
 from ..engine.config import GenerationConfig
 from ..errors import CactusEdgeError
-from ..openai_api import ParsedRequest, ResponseShape
-from ..openai_api.replies import Reply
+from ..openai_api import ParsedRequest
 from ..openai_api.requests import config_for_vocabulary
+from .apis import Api, Incoming
 from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, from_library_error, quote
 from .exchange import Exchange
 from .parsing import ClientGone, check_declared_length, final_config, parse_body, read_json, tokenize
@@ -50,46 +50,69 @@ class Admission:
         self._tickets = itertools.count()
         self._tokenize_slots = asyncio.Semaphore(TOKENIZE_SLOTS)
 
-    async def answer(self, exchange: Exchange, engine, scheduler: Scheduler | None, chat: bool) -> None:
-        """Admit the request and answer it (``engine``/``scheduler`` None: still loading, 503)."""
+    async def answer(self, exchange: Exchange, engine, scheduler: Scheduler | None, api: Api) -> None:
+        """Admit the request and answer it in ``api``'s shapes (``engine``/``scheduler`` None:
+        still loading, 503)."""
         arrived = time.perf_counter()
         ticket = next(self._tickets)  # arrival order, kept through tokenization
         check_declared_length(exchange, self.settings.max_body_bytes)
         if scheduler is None:
             raise busy_error("the model is loading", "model_loading")
-        prompt_param = "messages" if chat else "prompt"
         with self._reserve(scheduler) as place:
             try:
-                request, job = await self._prepare(exchange, engine, chat, ticket, arrived)
+                incoming, request, job = await self._prepare(exchange, engine, api, ticket, arrived)
             except ClientGone:
                 return
             try:
                 place.submit(job)
             except ShuttingDown:
                 raise busy_error("the server is shutting down", "shutting_down") from None
-        shape = ResponseShape.new(chat, request.model or self.settings.model_name, request.include_usage)
-        reply = Reply(shape, request.tools, request.config.logprobs)
-        await respond(exchange, scheduler, job, reply, request.stream, prompt_param)
+        model = request.model or self.settings.model_name
+        replier = api.replier(incoming, request, model, len(job.prompt))
+        headers = [*incoming.headers, *_clamp_header(incoming.chat_body, job.config)]
+        if await respond(exchange, scheduler, job, replier, incoming.stream, api, headers):
+            api.finished(incoming, replier, self)
 
     async def _prepare(
-        self, exchange: Exchange, engine, chat: bool, ticket: int, arrived: float
-    ) -> tuple[ParsedRequest, Job]:
-        """(the parsed request, its Job): the body read, parsed, tokenized and checked by the
-        engine; ClientGone if the client hangs up while sending it."""
+        self, exchange: Exchange, engine, api: Api, ticket: int, arrived: float
+    ) -> tuple[Incoming, ParsedRequest, Job]:
+        """(the request as its API read it, the chat request parsed, its Job): the body read,
+        converted, parsed, tokenized and checked by the engine; ClientGone if the client hangs up
+        while sending it."""
         body = await read_json(exchange, self.settings.max_body_bytes)
-        request = parse_body(body, self.settings.base_config)
-        check_model(self.settings, request.model)
-        tools = request.tools.tools if request.tools is not None and chat else None
-        prompt = await tokenize(engine, body, chat, self.settings.default_system, self._tokenize_slots, tools)
-        config = config_for_vocabulary(request, engine)
-        loop, prompt_param = asyncio.get_running_loop(), "messages" if chat else "prompt"
-        if config.grammar_source is None:
-            config = self._fit(engine, config, body, prompt, prompt_param)
-        else:  # a new grammar compiles here (up to seconds): in a worker thread, as tokenizing is
-            fit = functools.partial(self._fit, engine, config, body, prompt, prompt_param)
-            async with self._tokenize_slots:
-                config = await loop.run_in_executor(None, fit)
-        return request, Job(prompt, config, loop, ticket, arrived)
+        incoming = api.read(body, self)
+        chat_body = incoming.chat_body
+        try:
+            request = parse_body(chat_body, self.settings.base_config)
+            check_model(self.settings, request.model)
+            chat = api.template
+            tools = request.tools.tools if request.tools is not None and chat else None
+            prompt = await tokenize(
+                engine, chat_body, chat, self.settings.default_system, self._tokenize_slots, tools
+            )
+            config = config_for_vocabulary(request, engine)
+            loop = asyncio.get_running_loop()
+            if config.grammar_source is None:
+                config = self._fit(engine, config, chat_body, prompt, api.prompt_param)
+            else:  # a new grammar compiles here (up to seconds): in a worker thread, as tokenizing is
+                fit = functools.partial(self._fit, engine, config, chat_body, prompt, api.prompt_param)
+                async with self._tokenize_slots:
+                    config = await loop.run_in_executor(None, fit)
+        except HTTPError as error:
+            raise api.renamed(error) from None
+        return incoming, request, Job(prompt, config, loop, ticket, arrived)
+
+    async def count_tokens(self, engine, chat_body: Mapping, api: Api) -> int:
+        """How many tokens a chat request's prompt has (its tools included), as it would run."""
+        try:
+            request = parse_body(chat_body, self.settings.base_config)
+            tools = request.tools.tools if request.tools is not None else None
+            prompt = await tokenize(
+                engine, chat_body, True, self.settings.default_system, self._tokenize_slots, tools
+            )
+        except HTTPError as error:
+            raise api.renamed(error) from None
+        return len(prompt)
 
     def _fit(
         self, engine, config: GenerationConfig, body: Mapping, prompt: list[int], prompt_param: str
@@ -115,3 +138,13 @@ class Admission:
             ) from None
         except ShuttingDown:
             raise busy_error("the server is shutting down", "shutting_down") from None
+
+
+def _clamp_header(body: Mapping, final: GenerationConfig) -> list[tuple[str, str]]:
+    """Say so when the reply's budget asked for was cut (to the context's room, or the cap)."""
+    asked = body.get("max_tokens", body.get("max_completion_tokens"))
+    if not isinstance(asked, int) or final.max_tokens >= asked:
+        return []
+    return [
+        ("x-cactus-edge-max-tokens", f"{asked} clamped to {final.max_tokens} (the context's room or the cap)")
+    ]

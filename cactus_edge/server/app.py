@@ -10,11 +10,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import InvalidSettingError
+from ..openai_api.messages import read_messages_request
+from ..openai_api.responses import ResponseStore
 from . import guards
 from .admission import Admission, check_model
-from .errors import HTTPError, error_body, quote
+from .apis import Api, MessagesApi, ResponsesApi
+from .errors import HTTPError, busy_error, error_body, quote
 from .exchange import Exchange
 from .metrics import Metrics
+from .parsing import read_json
 from .scheduler import CacheAudit, Scheduler
 from .settings import RETRY_AFTER_SECONDS, ServerSettings
 
@@ -34,17 +39,27 @@ class ServerApp:
         self._created = int(time.time())
         self._admission = Admission(self.settings)
         self.audit = CacheAudit() if self.settings.debug else None
+        self.responses = ResponseStore(self.settings.responses_store_mib * 2**20)
+        self._apis = {
+            "chat": Api(chat=True),
+            "completions": Api(chat=False),
+            "responses": ResponsesApi(self.responses),
+            "messages": MessagesApi(),
+        }
         self._routes: dict[str, tuple[str, Callable]] = {
             "/health": ("GET", self._health),
             "/v1/models": ("GET", self._models),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
+            "/v1/responses": ("POST", self._responses),
+            "/v1/messages": ("POST", self._messages),
+            "/v1/messages/count_tokens": ("POST", self._count_tokens),
         }
         if self.settings.metrics:
             self._routes["/metrics"] = ("GET", self._metrics)
         if self.settings.debug:
             self._routes["/debug/caches"] = ("GET", self._debug_caches)
-        for path in ("/models", "/chat/completions", "/completions"):  # base_url without /v1
+        for path in ("/models", "/chat/completions", "/completions", "/responses"):  # base_url without /v1
             self._routes[path] = self._routes[f"/v1{path}"]
         if engine is not None:
             self.attach(engine)
@@ -99,9 +114,11 @@ class ServerApp:
     async def _handle(self, exchange: Exchange) -> None:
         """The checks of :mod:`.guards` in their order, then the route. With an API key, every
         path but /health needs it before 404 or 405 is said: no probing routes without it."""
+        method, path = exchange.scope["method"], exchange.scope["path"]
+        if path.startswith("/v1/messages"):
+            exchange.error_shape = self._apis["messages"].error_body
         guards.check_host(self.settings, exchange, self._hosts)
         guards.check_origin(self.settings, exchange)
-        method, path = exchange.scope["method"], exchange.scope["path"]
         route = self._route(path)
         if route is not None and guards.is_preflight(exchange):
             await guards.preflight(exchange, _methods(route[0]))
@@ -123,6 +140,8 @@ class ServerApp:
         route = self._routes.get(path)
         if route is None and path.startswith(("/v1/models/", "/models/")):
             route = ("GET", self._model)
+        if route is None and path.startswith(("/v1/responses/", "/responses/")):
+            route = ("GET, DELETE", self._stored_response)
         return route
 
     # --- simple routes (never touch the engine)
@@ -162,10 +181,42 @@ class ServerApp:
     # --- generation routes
 
     async def _chat(self, exchange: Exchange) -> None:
-        await self._admission.answer(exchange, self.engine, self.scheduler, chat=True)
+        await self._admission.answer(exchange, self.engine, self.scheduler, self._apis["chat"])
 
     async def _completions(self, exchange: Exchange) -> None:
-        await self._admission.answer(exchange, self.engine, self.scheduler, chat=False)
+        await self._admission.answer(exchange, self.engine, self.scheduler, self._apis["completions"])
+
+    async def _responses(self, exchange: Exchange) -> None:
+        await self._admission.answer(exchange, self.engine, self.scheduler, self._apis["responses"])
+
+    async def _messages(self, exchange: Exchange) -> None:
+        await self._admission.answer(exchange, self.engine, self.scheduler, self._apis["messages"])
+
+    async def _count_tokens(self, exchange: Exchange) -> None:
+        """Anthropic's count_tokens: the prompt's tokens as the Messages route would run it."""
+        if self.engine is None:
+            raise busy_error_loading()
+        api = self._apis["messages"]
+        body = await read_json(exchange, self.settings.max_body_bytes)
+        try:
+            chat_body = read_messages_request(body, counting=True).chat_body
+        except InvalidSettingError as error:
+            raise api.library_error(error) from None
+        count = await self._admission.count_tokens(self.engine, chat_body, api)
+        await exchange.send_json(200, {"input_tokens": count})
+
+    async def _stored_response(self, exchange: Exchange) -> None:
+        """GET or DELETE a stored /v1/responses answer."""
+        response_id = exchange.scope["path"].rsplit("/", 1)[1]
+        if exchange.scope["method"] == "DELETE":
+            if not self.responses.delete(response_id):
+                raise _no_stored_response(response_id)
+            await exchange.send_json(200, {"id": response_id, "object": "response.deleted", "deleted": True})
+            return
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise _no_stored_response(response_id)
+        await exchange.send_json(200, stored.body)
 
 
 async def _lifespan(receive, send) -> None:
@@ -195,4 +246,18 @@ def _model_card(settings: ServerSettings, engine, created: int) -> dict:
 
 def _methods(method: str) -> str:
     """The methods a route answers: HEAD wherever GET (uvicorn leaves the body out)."""
-    return "GET, HEAD" if method == "GET" else method
+    return method.replace("GET", "GET, HEAD")
+
+
+def _no_stored_response(response_id: str) -> HTTPError:
+    return HTTPError(
+        404,
+        f"no stored response {quote(response_id)}: it was never stored (store: false), was deleted, "
+        "or was evicted or lost when the server restarted",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+def busy_error_loading() -> HTTPError:
+    return busy_error("the model is loading", "model_loading")

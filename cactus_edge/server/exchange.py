@@ -26,6 +26,7 @@ class Exchange:
         self.cors_headers = cors_headers
         self.status: int | None = None
         self.started = False
+        self.error_shape = HTTPError.body  # how an error looks on this route (Anthropic's differ)
         self.body_read = not self._has_body()
 
     def _has_body(self) -> bool:
@@ -64,7 +65,7 @@ class Exchange:
 
     async def send_error(self, error: HTTPError) -> None:
         await self.drain_small_body()
-        await self.send_json(error.status, error.body(), error.headers)
+        await self.send_json(error.status, self.error_shape(error), error.headers)
 
     async def drain_small_body(self) -> None:
         """Read and drop an unread body of at most DRAIN_MAX_BYTES declared bytes, for at most

@@ -55,10 +55,12 @@ def check_api_key(settings: ServerSettings, exchange: Exchange) -> None:
         return
     scheme, _, token = exchange.headers.get("authorization", "").strip().partition(" ")
     given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""
+    if "x-api-key" in exchange.headers and not given:  # Anthropic's clients send it so
+        given = exchange.headers["x-api-key"].strip().encode("latin-1")
     if not hmac.compare_digest(given, key.encode()):
         raise HTTPError(
             401,
-            "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+            "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
             code="invalid_api_key",
             headers=[("www-authenticate", "Bearer")],
         )

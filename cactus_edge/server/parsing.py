@@ -132,9 +132,10 @@ async def tokenize(
 def final_config(
     config: GenerationConfig, body: Mapping, n_prompt: int, n_ctx: int, cap: int | None
 ) -> GenerationConfig:
-    """max_tokens: the request's, or the context's room when it gives none; capped at ``cap``."""
+    """max_tokens: the request's, at most the context's room (all of it when it gives none);
+    capped at ``cap``."""
     asked = any(body.get(name) is not None for name in ("max_tokens", "max_completion_tokens"))
-    max_tokens = config.max_tokens if asked else n_ctx - n_prompt
+    max_tokens = min(config.max_tokens, n_ctx - n_prompt) if asked else n_ctx - n_prompt
     if cap is not None:
         max_tokens = min(max_tokens, cap)
     return replace(config, max_tokens=max(1, max_tokens))

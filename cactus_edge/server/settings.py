@@ -22,6 +22,7 @@ DEFAULT_IDLE_TIMEOUT = 5.0  # uvicorn's keep-alive default, and httpx's pool exp
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0  # a 4 MiB body at 140 KB/s: generous for loopback or a LAN
 DEFAULT_SHUTDOWN_GRACE = 3.0
+DEFAULT_RESPONSES_STORE_MIB = 64  # thousands of agent turns' responses and conversations
 API_KEY_ENV = "CACTUS_EDGE_API_KEY"
 # Host names of this machine, as a Host header writes them (an IPv6 address in brackets); a bound
 # address is normalised the same way (_normalize_host) before it is looked up here.
@@ -49,7 +50,7 @@ class ServerSettings:
     uds: str | None = _flag(None, "Listen on this Unix socket instead of TCP.", metavar="PATH")
     api_key: str | None = _flag(
         None,
-        f"Require 'Authorization: Bearer KEY' on every route but /health "
+        f"Require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: KEY') on every route but /health "
         f"(default: ${API_KEY_ENV}, else no key).",
         envvar=API_KEY_ENV,
         metavar="KEY",
@@ -100,6 +101,12 @@ class ServerSettings:
         "Open connections at most (lowered to stay below the descriptor limit); beyond it the oldest "
         "idle one is closed, or, if every one is busy, the new one gets 503.",
     )
+    responses_store_mib: int = _flag(
+        DEFAULT_RESPONSES_STORE_MIB,
+        "Memory for stored /v1/responses answers (store: true), which previous_response_id continues, "
+        "in MiB; least recently used out first; 0 stores none.",
+        metavar="MIB",
+    )
     debug: bool = _flag(
         False,
         "Check the engine's caches after every generation and serve GET /debug/caches (soak tests; "
@@ -112,6 +119,11 @@ class ServerSettings:
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise InvalidSettingError(
                 f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}", param="max_tokens_cap"
+            )
+        if self.responses_store_mib < 0:
+            raise InvalidSettingError(
+                f"responses_store_mib must be >= 0, got {self.responses_store_mib}",
+                param="responses_store_mib",
             )
         if self.max_body_bytes < 1024:
             raise InvalidSettingError(

@@ -1,26 +1,19 @@
 """Answering an admitted generation: the job's events become one JSON body (``stream: false``)
-or server-sent events (``stream: true``) in :mod:`cactus_edge.openai_api`'s shapes, while a
+or server-sent events (``stream: true``) through its API's replier (:mod:`.apis`), while a
 watcher withdraws the job if the client hangs up."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
 from ..engine.events import StreamEvent
 from ..openai_api import Timeline, response_blocks
-from ..openai_api.replies import Reply
-from .errors import HTTPError, from_library_error
+from .apis import Api
+from .errors import HTTPError
 from .exchange import Exchange
 from .scheduler import Job, Scheduler
-
-
-def sse_event(data: dict | str) -> bytes:
-    """One server-sent event."""
-    text = data if isinstance(data, str) else json.dumps(data)
-    return f"data: {text}\n\n".encode()
 
 
 def _blocks(event: StreamEvent, job: Job) -> dict:
@@ -30,15 +23,15 @@ def _blocks(event: StreamEvent, job: Job) -> dict:
 
 
 async def respond(
-    exchange: Exchange, scheduler: Scheduler, job: Job, reply: Reply, stream: bool, prompt_param: str
-) -> None:
-    """Send the job's answer; withdraw it from the scheduler unless it ended."""
+    exchange: Exchange, scheduler: Scheduler, job: Job, replier, stream: bool, api: Api, headers: list
+) -> bool:
+    """Send the job's answer through ``replier`` (:mod:`.apis`); withdraw it from the scheduler
+    unless it ended. Whether the answer was whole (the generation's final event was sent)."""
     watcher = asyncio.ensure_future(_watch_disconnect(exchange, scheduler, job))
     try:
         if stream:
-            await _stream(exchange, job, reply, prompt_param)
-        else:
-            await _complete(exchange, job, reply, prompt_param)
+            return await _stream(exchange, job, replier, api, headers)
+        return await _complete(exchange, job, replier, api, headers)
     finally:
         watcher.cancel()
         if not job.done:
@@ -62,66 +55,68 @@ async def _next(job: Job) -> tuple[str, Any]:
     return kind, value
 
 
-async def _next_event(job: Job, prompt_param: str) -> StreamEvent | None:
+async def _next_event(job: Job, api: Api) -> StreamEvent | None:
     """The job's next event; None when the client is gone. An error raised before the
     generation's end becomes its HTTP answer; an end without a final event is a 500."""
     kind, value = await _next(job)
     if kind == "disconnected":
         return None
     if kind == "error":
-        raise from_library_error(value, prompt_param)
+        raise api.library_error(value)
     if kind == "end":
         raise HTTPError(500, "the generation ended without a result", type="server_error", code="internal")
     return value
 
 
-async def _complete(exchange: Exchange, job: Job, reply: Reply, prompt_param: str) -> None:
+async def _complete(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> bool:
     while True:
-        event = await _next_event(job, prompt_param)
+        event = await _next_event(job, api)
         if event is None:
-            return
+            return False
         if event.finish_reason is not None:
             job.done = True
-            await exchange.send_json(200, reply.complete(event, _blocks(event, job)))
-            return
-        reply.add_quietly(event)
+            await exchange.send_json(200, replier.complete(event, _blocks(event, job)), headers)
+            return True
+        replier.add_quietly(event)
 
 
-async def _stream(exchange: Exchange, job: Job, reply: Reply, prompt_param: str) -> None:
+async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> bool:
     # The status is sent with the first event: an error before it (a shutdown while queued, a
     # refused setting) still gets its own status and envelope.
-    first = await _next_event(job, prompt_param)
+    first = await _next_event(job, api)
     if first is None:
-        return
+        return False
     await exchange.start(
         200,
         [
             ("content-type", "text/event-stream; charset=utf-8"),
             ("cache-control", "no-cache"),
             ("x-accel-buffering", "no"),
+            *headers,
         ],
     )
-    role = reply.shape.role_chunk()
-    if role is not None:
-        await exchange.body(sse_event(role), more=True)
-    kind, value = "event", first
+    await _send(exchange, replier.opening())
+    kind, value, whole = "event", first, False
     while True:
         if kind == "disconnected":
-            return
+            return False
         if kind == "error":
-            error = from_library_error(value, prompt_param)
-            await exchange.body(sse_event(error.body()), more=True)
+            await _send(exchange, replier.failure(api.library_error(value)))
             break
         if kind == "end":
             break
         event: StreamEvent = value
         if event.finish_reason is not None:
             job.done = True
-            for chunk in reply.finish(event, _blocks(event, job)):
-                await exchange.body(sse_event(chunk), more=True)
-            await exchange.body(sse_event("[DONE]"), more=True)
+            await _send(exchange, replier.finish(event, _blocks(event, job)))
+            whole = True
             break
-        for chunk in reply.add(event):
-            await exchange.body(sse_event(chunk), more=True)
+        await _send(exchange, replier.add(event))
         kind, value = await _next(job)
     await exchange.body(b"")
+    return whole
+
+
+async def _send(exchange: Exchange, frames: list[bytes]) -> None:
+    for frame in frames:
+        await exchange.body(frame, more=True)
