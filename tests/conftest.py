@@ -182,3 +182,18 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def agent_server(engine):
+    """A server over the tiny pair for the agents' APIs (tests/agent_apis.py), with a key."""
+    from cactus_edge.server import ServerSettings, create_server
+
+    from .agent_apis import KEY, MODEL
+
+    server = create_server(engine, ServerSettings(port=0, api_key=KEY, model_name=MODEL, metrics=True))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -9,10 +9,13 @@ How each request field is treated (docs/server.md has the table):
   defeat the prompt cache), ``messages`` (text, ``tool_use``, ``tool_result``; ``thinking``
   blocks dropped), ``tools`` (custom tools with ``input_schema``; Anthropic's own tool types are
   left out and reported), ``tool_choice``, ``stop_sequences``, ``temperature``, ``top_p``,
-  ``top_k``, ``stream``, and our ``speculative``, ``seed``, ``min_p``.
+  ``top_k``, ``stream``, ``output_config.format`` (a JSON schema: our grammars), and our
+  ``speculative``, ``seed``, ``min_p``. System messages inside ``messages`` (Claude Code sends
+  them) join the conversation where they stand.
 * Refused (400): image and document blocks, unknown block types.
 * Accepted and ignored: ``metadata``, ``thinking`` (these models do not think), ``service_tier``,
-  ``context_management``, ``output_config``, ``container``, ``mcp_servers`` and any other field.
+  ``context_management``, ``output_config.effort``, ``container``, ``mcp_servers``,
+  ``safeguards`` and any other field, and unknown keys of blocks (``cache_control``, ``caller``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ BILLING_HEADER = "x-anthropic-billing-header"
 TEXT_BLOCKS = frozenset({"text"})
 SAME_NAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "speculative")
 # The Messages name of a chat field an error names.
-PARAMS = {"stop": "stop_sequences", "messages": "messages", "parallel_tool_calls": "tool_choice"}
+PARAMS = {
+    "stop": "stop_sequences",
+    "parallel_tool_calls": "tool_choice",
+    "response_format": "output_config.format",
+}
 STOP_REASONS = {"length": "max_tokens"}
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -94,23 +101,27 @@ def read_messages_request(body: Any, *, counting: bool = False) -> MessagesReque
     if tools:
         chat_body["tools"] = tools
     chat_body.update(chat_tool_choice(body.get("tool_choice"), bool(tools)))
+    response_format = output_format(body.get("output_config"))
+    if response_format is not None:
+        chat_body["response_format"] = response_format
     return MessagesRequest(chat_body, skipped, max_tokens if is_int(max_tokens) else 0)
 
 
-def system_messages(system: Any) -> list[dict]:
+def system_messages(system: Any, param: str = "system") -> list[dict]:
+    """A system prompt (a string or text blocks) as chat messages, the billing header left out."""
     if system is None or system == "":
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
     texts = []
-    for index, block in enumerate(expect_list(system, "system")):
-        block = expect_object(block, f"system[{index}]")
+    for index, block in enumerate(expect_list(system, param)):
+        where = f"{param}[{index}]"
+        block = expect_object(block, where)
         if block.get("type") != "text":
             raise unsupported(
-                f"system[{index}] is a {block.get('type')!r} block; system takes text",
-                f"system[{index}].type",
+                f"{where} is a {block.get('type')!r} block; a system prompt takes text", f"{where}.type"
             )
-        text = expect_str(block.get("text"), f"system[{index}].text")
+        text = expect_str(block.get("text"), f"{where}.text")
         if not text.startswith(BILLING_HEADER):
             texts.append(text)
     return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
@@ -124,8 +135,11 @@ def chat_messages_of(value: Any) -> tuple[list[dict], dict[int, str]]:
         param = f"messages[{index}]"
         message = expect_object(message, param)
         role = message.get("role")
+        if role == "system":  # Claude Code sends some between the turns
+            messages += system_messages(message.get("content"), f"{param}.content")
+            continue
         if role not in ("user", "assistant"):
-            raise refuse(f"{param}.role must be user or assistant, got {role!r}", f"{param}.role")
+            raise refuse(f"{param}.role must be user, assistant or system, got {role!r}", f"{param}.role")
         content = message.get("content")
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
@@ -180,6 +194,21 @@ def _add_text(messages: list[dict], role: str, text: str) -> None:
         last["content"] = f"{last['content']}\n\n{text}" if last["content"] else text
     else:
         messages.append({"role": role, "content": text})
+
+
+def output_format(config: Any) -> dict | None:
+    """``output_config.format`` (structured outputs: ``{"type": "json_schema", "schema"}``) as
+    chat's response_format; the rest of output_config (effort) means nothing here."""
+    if not isinstance(config, Mapping) or config.get("format") is None:
+        return None
+    fmt = expect_object(config["format"], "output_config.format")
+    if fmt.get("type") != "json_schema":
+        raise refuse(
+            f"output_config.format.type must be json_schema, got {fmt.get('type')!r}",
+            "output_config.format.type",
+        )
+    schema = expect_object(fmt.get("schema"), "output_config.format.schema")
+    return {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 def custom_tools(value: Any) -> tuple[list[dict], list[str]]:
