@@ -443,7 +443,11 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 def _usage(usage: Mapping) -> dict:
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+        # cache_write_tokens: what a request added to a provider's paid cache; ours costs nothing
+        "input_tokens_details": {
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
