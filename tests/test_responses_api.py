@@ -217,7 +217,8 @@ def test_a_codex_style_conversation_with_a_tool_output_runs(http):
 @pytest.mark.parametrize(
     "change, param",
     [
-        ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "a"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "a"}]},
+         "input[0].call_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"input": [{"type": "hologram"}]}, "input[0].type"),
