@@ -200,6 +200,26 @@ def test_required_grammar_accepts_a_valid_call_and_refuses_a_wrong_type(tokenize
     assert not accepts(tokenizer, grammar, [])  # a call is required
 
 
+def test_keywords_llguidance_does_not_implement_leave_the_rest_of_the_schema_enforced(tokenizer):
+    """Claude Code's tools use propertyNames: the call is still made, the other keywords hold,
+    and the setup names the tool (the server says so in a header)."""
+    env = {
+        "type": "object",
+        "additionalProperties": {"type": "string"},
+        "propertyNames": {"pattern": "^[A-Z]+$"},
+    }
+    schema = {"type": "object", "properties": {"cmd": {"type": "string"}, "env": env}, "required": ["cmd"]}
+    setup = parse_tools([tool(name="run", parameters=schema)], "required", False)
+    assert setup.unenforced == ("run",) and "propertyNames" in setup.functions[0].unenforced
+    grammar = setup.grammar()
+    assert accepts(
+        tokenizer, grammar, call_ids("run", '{"cmd": "ls", "env": {"lower": "x"}}')
+    )  # not enforced
+    assert not accepts(tokenizer, grammar, call_ids("run", '{"env": {}}'))  # required still holds
+    assert not accepts(tokenizer, grammar, call_ids("run", '{"cmd": 3}'))
+    assert parse_tools(TOOLS, "required").unenforced == ()
+
+
 def test_the_grammar_writes_the_markers_as_special_tokens(tokenizer):
     grammar = parse_tools(TOOLS, "required").grammar()
     plain_markers = ids('<tool_call>\n{"name": "search", "arguments": {}}\n</tool_call>')

@@ -53,6 +53,9 @@ class ToolFunction:
     description: str | None
     parameters: dict[str, Any]
     strict: bool = False
+    # llguidance's note of the schema keywords it cannot enforce (Claude Code's tools use
+    # propertyNames): the arguments then follow the rest of the schema, and the server says so.
+    unenforced: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ class ToolSetup:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(function.name for function in self.functions)
+
+    @property
+    def unenforced(self) -> tuple[str, ...]:
+        """The tools whose schemas hold keywords the grammar cannot enforce: their names."""
+        return tuple(function.name for function in self.functions if function.unenforced is not None)
 
     @property
     def constrained(self) -> bool:
@@ -139,7 +147,8 @@ class ToolSetup:
         rules = [f"body: {' | '.join(f'fn_{i}' for i in range(len(callable_functions)))}"]
         for index, function in enumerate(callable_functions):
             head = json.dumps(f'{{"name": "{function.name}", "arguments": ')
-            rules.append(f'fn_{index}: {head} %json {_laid_out(function.parameters)} "}}"')
+            schema = _laid_out(function.parameters, lenient=function.unenforced is not None)
+            rules.append(f'fn_{index}: {head} %json {schema} "}}"')
         return "\n".join(rules) + "\n"
 
 
@@ -156,12 +165,13 @@ def _marker(marker: str | int, special: bool) -> str:
     return marker
 
 
-def _laid_out(schema: dict[str, Any]) -> str:
+def _laid_out(schema: dict[str, Any], lenient: bool = False) -> str:
     """The arguments' schema as the grammar embeds it: closed (:func:`closed`) and with our
     layout options (llguidance reads them from a top-level ``x-guidance`` key; ours win over the
-    caller's, since the parser relies on nothing but JSON)."""
+    caller's, since the parser relies on nothing but JSON). ``lenient``: keywords llguidance
+    does not implement are ignored instead of refused."""
     given = schema.get("x-guidance")
-    options = {**(given if isinstance(given, dict) else {}), **JSON_LAYOUT}
+    options = {**(given if isinstance(given, dict) else {}), **JSON_LAYOUT, "lenient": lenient}
     return json.dumps({**closed(schema), "x-guidance": options})
 
 
@@ -263,11 +273,13 @@ def _function(index: int, tool: Any) -> ToolFunction:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise InvalidSettingError(f"{where}.function must be an object", param="tools")
+    parameters, unenforced = _parameters(f"{where}.function.parameters", function.get("parameters"))
     return ToolFunction(
         name=_function_name(f"{where}.function.name", function.get("name")),
         description=_optional(f"{where}.function.description", function.get("description"), str, "a string"),
-        parameters=_parameters(f"{where}.function.parameters", function.get("parameters")),
+        parameters=parameters,
         strict=bool(_optional(f"{where}.function.strict", function.get("strict"), bool, "a boolean")),
+        unenforced=unenforced,
     )
 
 
@@ -287,10 +299,12 @@ def _optional(where: str, value: Any, kind: type, described: str) -> Any:
     return value
 
 
-def _parameters(where: str, schema: Any) -> dict[str, Any]:
-    """The arguments' schema, made an object schema: arguments are always a JSON object."""
+def _parameters(where: str, schema: Any) -> tuple[dict[str, Any], str | None]:
+    """The arguments' schema, made an object schema (arguments are always a JSON object), and
+    llguidance's note of the keywords it cannot enforce (None: all are). A schema that cannot be
+    enforced otherwise is refused."""
     if schema is None:
-        return {"type": "object"}
+        return {"type": "object"}, None
     if not isinstance(schema, dict):
         raise InvalidSettingError(f"{where} must be a JSON schema object", param="tools")
     kind = schema.get("type", "object")
@@ -303,17 +317,19 @@ def _parameters(where: str, schema: Any) -> dict[str, Any]:
         schema_json = json.dumps(schema, sort_keys=True)
     except (TypeError, ValueError) as error:
         raise InvalidSettingError(f"{where} must be JSON: {error}", param="tools") from error
-    problem = _schema_problem(schema_json)
+    problem = _schema_problem(schema_json, lenient=False)
+    if problem and "Unimplemented keys" in problem and not _schema_problem(schema_json, lenient=True):
+        return schema, problem
     if problem:
         raise InvalidSettingError(f"{where} cannot be enforced: {problem}", param="tools")
-    return schema
+    return schema, None
 
 
 @lru_cache(maxsize=256)
-def _schema_problem(schema_json: str) -> str:
+def _schema_problem(schema_json: str, lenient: bool) -> str:
     """llguidance's complaint about a schema laid out as the grammar embeds it ("" when none).
     Cached on the schema's text: agents send the same tools with every turn."""
-    grammar = LLMatcher.grammar_from_json_schema(_laid_out(json.loads(schema_json)))
+    grammar = LLMatcher.grammar_from_json_schema(_laid_out(json.loads(schema_json), lenient))
     return LLMatcher.validate_grammar(grammar).strip()
 
 

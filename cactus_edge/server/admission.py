@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Mapping
 
@@ -23,6 +24,8 @@ from .parsing import ClientGone, check_declared_length, final_config, parse_body
 from .scheduler import Job, Place, Scheduler
 from .settings import MODEL_ALIAS, ServerSettings
 from .streaming import respond
+
+logger = logging.getLogger("cactus_edge.server")
 
 # Prompts are tokenized (and new grammars compiled) one at a time: each takes a core for as long
 # as its text is long (a chat template render and llama.cpp's tokenizer), and the running
@@ -69,7 +72,11 @@ class Admission:
                 raise busy_error("the server is shutting down", "shutting_down") from None
         model = request.model or self.settings.model_name
         replier = api.replier(incoming, request, model, len(job.prompt))
-        headers = [*incoming.headers, *_clamp_header(incoming.chat_body, job.config)]
+        headers = [
+            *incoming.headers,
+            *_clamp_header(incoming.chat_body, job.config),
+            *_unenforced_header(request),
+        ]
         if await respond(exchange, scheduler, job, replier, incoming.stream, api, headers):
             api.finished(incoming, replier, self)
 
@@ -148,3 +155,13 @@ def _clamp_header(body: Mapping, final: GenerationConfig) -> list[tuple[str, str
     return [
         ("x-cactus-edge-max-tokens", f"{asked} clamped to {final.max_tokens} (the context's room or the cap)")
     ]
+
+
+def _unenforced_header(request: ParsedRequest) -> list[tuple[str, str]]:
+    """Name the tools whose schemas hold keywords the grammar cannot enforce (llguidance's
+    unimplemented ones, as propertyNames): their arguments follow the rest of the schema."""
+    names = request.tools.unenforced if request.tools is not None else ()
+    if not names:
+        return []
+    logger.info("tools whose schemas are enforced without unimplemented keywords: %s", ", ".join(names))
+    return [("x-cactus-edge-unenforced-schemas", ", ".join(names)[:500])]
