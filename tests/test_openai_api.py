@@ -178,7 +178,6 @@ def test_neutral_values_are_accepted(field, value):
         ("metadata", {"k": "v"}),
         ("store", True),
         ("service_tier", "auto"),
-        ("prediction", {"type": "content", "content": "x"}),
         ("some_future_field", [1, 2]),
         ("method", "sps"),  # the extension lives under "speculative", not at the top level
     ],
@@ -471,6 +470,11 @@ def test_completion_shape():
         "completion_tokens": 3,
         "total_tokens": 10,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
     speculative = completion["speculative"]
     assert speculative["acceptance_length"] == 0.5 and speculative["lossless"] is False

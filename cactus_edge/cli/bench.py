@@ -7,12 +7,13 @@ prompt keeps ratios to plain decoding honest on a noisy machine: a slow minute h
 from __future__ import annotations
 
 import json
+import re
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,8 @@ from ..rules.draft_length import CostModel
 if TYPE_CHECKING:
     from ..engine.engine import Engine
 
+FENCED_BLOCK = re.compile(r"```[^\n]*\n.*?\n```", re.DOTALL)
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -34,6 +37,7 @@ class Variant:
     drafter: str = "model"
     posterior_threshold: float = DEFAULT_POSTERIOR_THRESHOLD  # typical acceptance only
     kl_budget: float | None = None  # nats per response; lossy rules only, None or inf = no budget
+    prediction: bool = False  # the prompt's first fenced code block as a predicted output
 
     @property
     def budget(self) -> float | None:
@@ -62,7 +66,8 @@ class Variant:
             name = f"tas τ={self.posterior_threshold:g}"
         drafter = "" if self.drafter == "model" else f" [{self.drafter}]"
         budget = "" if self.kl_budget is None else f" budget {self.kl_budget:g}"
-        return f"{name} k={self.n_draft}{drafter}{budget}"
+        prediction = " +prediction" if self.prediction else ""
+        return f"{name} k={self.n_draft}{drafter}{budget}{prediction}"
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,11 @@ def make_variants(
     drafters: Sequence[str],
     tas_thresholds: Sequence[float] = (DEFAULT_POSTERIOR_THRESHOLD,),
     kl_budgets: Sequence[float | None] = (None,),
+    prediction: bool = False,
 ) -> list[Variant]:
     """`none` once (the baseline), then every other method × draft length × drafter (× delta for
-    cactus, × posterior threshold for tas, × KL budget for the lossy rules)."""
+    cactus, × posterior threshold for tas, × KL budget for the lossy rules); with ``prediction``
+    each of those twice, without and with the prompt's code as a predicted output."""
     variants = [Variant("none", n_draft=0)]
     for method in methods:
         if method == "none":
@@ -117,7 +124,16 @@ def make_variants(
                     for threshold in tas_thresholds if method == "tas" else (DEFAULT_POSTERIOR_THRESHOLD,):
                         for budget in kl_budgets if method not in LOSSLESS_METHODS else (None,):
                             variants.append(Variant(method, delta, n_draft, drafter, threshold, budget))
+    if prediction:
+        variants = [*variants, *(replace(v, prediction=True) for v in variants if v.method != "none")]
     return variants
+
+
+def predicted_output(text: str) -> str | None:
+    """The first fenced code block of a prompt, fences included: what an editor sends as the
+    predicted output when it asks for a change to that code (None without one)."""
+    found = FENCED_BLOCK.search(text)
+    return found.group(0) if found else None
 
 
 def load_prompts(path: str | Path | None = None, categories: Sequence[str] = ()) -> list[dict]:
@@ -295,7 +311,12 @@ def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, 
     engine.clear_caches()
     turns = turns_of(entry)
     settings = entry_settings(entry, settings)
-    runs = converse(engine, turns, lambda turn: variant.config(seed=index + 1000 * turn, **settings))
+
+    def config_of_turn(turn: int) -> GenerationConfig:
+        predicted = predicted_output(turns[turn]) if variant.prediction else None
+        return variant.config(seed=index + 1000 * turn, **settings, prediction=predicted)
+
+    runs = converse(engine, turns, config_of_turn)
     for turn, run in enumerate(runs):
         stats = run.stats.summary()
         yield {
@@ -310,6 +331,7 @@ def run_conversation(engine: Engine, index: int, entry: dict, variant: Variant, 
             "wall_ms": run.total_ms,
             "e2e_tokens_per_second": stats["n_tokens"] / (run.total_ms / 1000) if run.total_ms > 0 else 0.0,
             "costs_kept": sorted(engine.costs.kept),  # `auto` started from an earlier run's costs
+            "prediction_tokens": list(run.stats.prediction_tokens),  # (accepted, rejected)
         }
 
 
@@ -362,6 +384,9 @@ def summarize(records: list[dict], variants: list[Variant]) -> dict[str, dict]:
             "mean_draft_length": sum(r["n_drafted"] for r in runs) / calls,
             **_waiting_ratios(runs, plain),
             **_forced_share(runs),
+            "prediction": variant.prediction,
+            "prediction_accepted": sum(r.get("prediction_tokens", (0, 0))[0] for r in runs),
+            "prediction_rejected": sum(r.get("prediction_tokens", (0, 0))[1] for r in runs),
         }
     return summary
 
@@ -459,6 +484,24 @@ def markdown_table(summary: dict[str, dict]) -> str:
     return header + "\n".join(lines) + "\n"
 
 
+def prediction_table(summary: dict[str, dict]) -> str:
+    """Draft tokens proposed from the predicted outputs, accepted and rejected, per variant that
+    had them, as markdown; empty when none did."""
+    rows = [(label, s) for label, s in summary.items() if s.get("prediction")]
+    if not rows:
+        return ""
+    lines = [
+        "\nPredicted outputs (the prompt's code block): draft tokens proposed from the prediction\n",
+        "| method | accepted | rejected | acceptance |",
+        "|---|---|---|---|",
+    ]
+    for label, s in rows:
+        proposed = s["prediction_accepted"] + s["prediction_rejected"]
+        share = f"{s['prediction_accepted'] / proposed:.0%}" if proposed else "–"
+        lines.append(f"| {label} | {s['prediction_accepted']} | {s['prediction_rejected']} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
 def forced_tokens_table(summary: dict[str, dict]) -> str:
     """The share of forced tokens per variant over the replies constrained by a schema (the
     structured category), as markdown; empty when no reply was constrained."""
@@ -535,7 +578,9 @@ def report(
             f"`auto` started from batch costs the cost cache kept (measured by an earlier engine, not "
             f"in its own first reply) for: {', '.join(kept)}; CACTUS_EDGE_COST_CACHE=off measures them.\n"
         )
-    table = title + markdown_table(summary) + forced_tokens_table(summary) + footer
+    table = (
+        title + markdown_table(summary) + forced_tokens_table(summary) + prediction_table(summary) + footer
+    )
     if profile:
         table += "".join(
             "\n" + profile_table(s["profile_ms"], s["n_decode_steps"], f"{label}: ") + "\n"

@@ -248,6 +248,12 @@ def chat(model, system, **flags) -> None:
 )
 @click.option("--profile", is_flag=True, help="Add where each variant's step time went to bench.md.")
 @click.option(
+    "--prediction",
+    is_flag=True,
+    help="Also run each speculative variant with the prompt's first code block as a predicted output "
+    "(OpenAI's Predicted Outputs), as an editor sends the file it asks to change.",
+)
+@click.option(
     "--workload",
     type=click.Choice(["prompts", "switching"]),
     default="prompts",
@@ -271,7 +277,18 @@ def chat(model, system, **flags) -> None:
 )
 @handle_errors
 def bench(
-    model, methods, deltas, n_drafts, drafters, tas_thresholds, kl_budgets, out, profile, workload, **flags
+    model,
+    methods,
+    deltas,
+    n_drafts,
+    drafters,
+    tas_thresholds,
+    kl_budgets,
+    out,
+    profile,
+    workload,
+    prediction,
+    **flags,
 ) -> None:
     """Speed, acceptance and fidelity of each method vs plain decoding, interleaved per prompt."""
     import platform
@@ -285,7 +302,8 @@ def bench(
     prompts = lab.select_prompts(
         flags["prompts_file"], flags["category"], flags["per_category"], flags["limit"]
     )
-    variants = lab.make_variants(methods, deltas, n_drafts, drafters, tas_thresholds, kl_budgets or (None,))
+    budgets = kl_budgets or (None,)
+    variants = lab.make_variants(methods, deltas, n_drafts, drafters, tas_thresholds, budgets, prediction)
     settings = sampling_settings(flags)
     needs_model = any(defaults.needs_draft_model(v.method, v.drafter) for v in variants)
     with model.load("cactus" if needs_model else "none") as engine:

@@ -151,6 +151,9 @@ class GenerationConfig:
     # The client's prompt_cache_key: among saved caches sharing as long a prefix, one saved under
     # this key is restored first. A hint; it never restores tokens that differ.
     cache_key: str | None = None
+    # A predicted output (OpenAI's Predicted Outputs: the file an editor asks to change): drafts
+    # come from it first. The reply stays the target's; only its speed changes.
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
         self._normalize_constraints()
@@ -198,6 +201,10 @@ class GenerationConfig:
         if self.grammar_trigger is not None and self.grammar_source is None:
             raise InvalidSettingError("grammar_trigger needs a grammar to start", param="grammar_trigger")
         _ = self.grammar_source
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise InvalidSettingError(
+                f"prediction must be a string, got {type(self.prediction).__name__}", param="prediction"
+            )
         if self.cache_key is not None and not isinstance(self.cache_key, str):
             raise InvalidSettingError(
                 f"cache_key must be a string, got {self.cache_key!r}", param="cache_key"

@@ -8,8 +8,9 @@ work and have their own calls, not a shared interface:
   model, token by token, or several rows per decode along a lookup guess (lookup-guided batching);
   it first feeds the draft the committed tokens it has not seen (the lazy catch-up).
 - :class:`LookupDrafter` ``find(committed, max_tokens)`` then ``propose(tokens, source)``: prompt
-  n-gram lookup, point-mass proposals, no decode; `auto` keeps one acceptance curve per match
-  length class ("lookup/2", "lookup/3", "lookup/4+", "lookup/8+", "lookup/16+").
+  n-gram lookup, or a client's predicted output first, point-mass proposals, no decode; `auto`
+  keeps one acceptance curve per source and match length class ("lookup/2", "lookup/3",
+  "lookup/4+", "lookup/8+", "lookup/16+", "prediction/0" for the prediction's start, …).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ..rules.sampling import (
     widen_row,
 )
 from .config import MAX_AUTO_DRAFT, GenerationConfig
-from .lookup import NgramIndex, match_bucket, point_mass_rows
+from .lookup import NgramIndex, PredictionIndex, match_bucket, point_mass_rows
 from .stats import StepProfiler
 
 
@@ -378,16 +379,25 @@ class ModelDrafter:
 
 
 class LookupDrafter:
-    """Prompt lookup: what followed the last 2–4-gram earlier in the context, as point masses."""
+    """Prompt lookup: what followed the last 2–4-gram earlier in the context, as point masses;
+    with a client's predicted output (``prediction``: its tokens; ``n_prompt``: where the reply
+    starts in the context), what follows in the prediction first."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, prediction: Sequence[int] = (), n_prompt: int = 0) -> None:
         self.vocab_size = vocab_size
         self.index = NgramIndex()
+        self.prediction = PredictionIndex(prediction) if prediction else None
+        self.n_prompt = n_prompt
 
     def find(self, committed: list[int], max_tokens: int) -> tuple[list[int], str]:
-        """(continuation, source): what followed the context's last n-gram earlier on (see
-        :class:`NgramIndex`), and "lookup/<match class>" naming how long the match is, so `auto`
-        learns how far each kind of match is right ("" when nothing recurs)."""
+        """(continuation, source): what follows in the prediction ("prediction/<match class>"),
+        else what followed the context's last n-gram earlier on (see :class:`NgramIndex`,
+        "lookup/<match class>"), so `auto` learns how far each kind of match is right ("" when
+        nothing matches)."""
+        if self.prediction is not None:
+            tokens, length = self.prediction.match(committed[self.n_prompt :], max_tokens)
+            if tokens:
+                return tokens, f"prediction/{match_bucket(length)}"
         tokens, length = self.index.match(committed, max_tokens)
         return tokens, f"lookup/{match_bucket(length)}" if tokens else ""
 

@@ -209,9 +209,9 @@ class Generation:
         model = self.draft and ModelDrafter(
             self.draft, vocab, config, self.rng, costs, profile, shaper, is_end
         )
-        return DraftSourceChooser(
-            config.drafter, self.planner, model, LookupDrafter(vocab), profile, shaper, is_end
-        )
+        prediction = self.target.tokenize(config.prediction, add_special=False) if config.prediction else ()
+        lookup = LookupDrafter(vocab, prediction, self.n_prompt)
+        return DraftSourceChooser(config.drafter, self.planner, model, lookup, profile, shaper, is_end)
 
     def _logprobs(self, raw_logits: np.ndarray, emitted: list[int]) -> list:
         """The emitted tokens' logprobs from the target's raw rows (n ≥ len(emitted), V), with bytes."""

@@ -4,6 +4,7 @@ output repeats its input, as in code editing. A proposal is a point mass: draft 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -80,6 +81,46 @@ class NgramIndex:
 
 
 MAX_MATCH_LENGTH = 64  # longer matches tell nothing more and would only cost comparisons
+
+
+class PredictionIndex:
+    """A client's predicted output (OpenAI's Predicted Outputs) as a draft source: where the reply
+    is in the prediction, and what follows there. Before the reply has tokens, the prediction's
+    start; then the longest suffix of the reply (``max_ngram`` tokens down to one) that occurs in
+    the prediction, at its first occurrence from where the last match ended: a reply walks through
+    the prediction in order, so even one token placed after the last match is a good guess. A
+    suffix of two or more tokens found only before that point is taken there (the reply went back)."""
+
+    def __init__(self, tokens: Sequence[int], *, max_ngram: int = 8) -> None:
+        self.tokens = [int(token) for token in tokens]
+        self.max_ngram = max_ngram
+        self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for n in range(1, max_ngram + 1):
+            starts: dict[tuple[int, ...], list[int]] = {}
+            for start in range(len(self.tokens) - n):  # n-grams with a token after them
+                starts.setdefault(tuple(self.tokens[start : start + n]), []).append(start)
+            self.starts[n] = starts
+        self.cursor = 0  # where the last match ended in the prediction
+
+    def match(self, reply: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
+        """(continuation, match length) for a reply so far; ([], 0) when the reply's end is not
+        in the prediction. A reply with no tokens yet matches the prediction's start (length 0)."""
+        if max_tokens <= 0 or not self.tokens:
+            return [], 0
+        if not reply:
+            return self.tokens[:max_tokens], 0
+        for n in range(min(self.max_ngram, len(reply)), 0, -1):
+            starts = self.starts[n].get(tuple(reply[-n:]))
+            if not starts:
+                continue
+            # The reply moved on by a token at least since the last match: look from there.
+            ahead = bisect.bisect_left(starts, self.cursor + 1 - n)
+            if ahead == len(starts) and n == 1:
+                continue  # one token seen only behind us says little
+            start = starts[min(ahead, len(starts) - 1)]
+            self.cursor = start + n
+            return self.tokens[start + n : start + n + max_tokens], n
+        return [], 0
 
 
 def _extend_back(tokens: list[int], start: int, n: int) -> int:

@@ -11,7 +11,7 @@ from typing import Literal
 # or the caller's cancel / close.
 FinishReason = Literal["stop", "length", "stop-string", "cancelled"]
 # What proposed a step's drafts: the draft model, prompt lookup, or nothing (a plain step).
-DraftSource = Literal["model", "lookup", "forced", "none"]
+DraftSource = Literal["model", "lookup", "prediction", "forced", "none"]
 
 
 @dataclass
@@ -139,6 +139,13 @@ class GenerationStats:
         for step in self.steps:
             counts[step.n_draft] = counts.get(step.n_draft, 0) + 1
         return dict(sorted(counts.items()))
+
+    @property
+    def prediction_tokens(self) -> tuple[int, int]:
+        """(accepted, rejected) draft tokens proposed from the client's predicted output."""
+        steps = [step for step in self.steps if step.drafter == "prediction"]
+        accepted = sum(step.n_accepted - step.n_forced for step in steps)
+        return accepted, sum(step.n_draft - step.n_forced for step in steps) - accepted
 
     @property
     def first_token_ms(self) -> float:

@@ -12,7 +12,8 @@ How each request field is treated:
   ``parallel_tool_calls`` (:mod:`cactus_edge.constraints.tools`), llama-cpp-python's ``repeat_penalty`` and
   llama-server's ``repeat_last_n``, our ``grammar`` (Lark, llguidance's syntax) and ``regex``,
   ``prompt_cache_key`` (among saved prompt caches sharing as long a prefix, the key's own are
-  restored first; it never restores differing tokens), and our extension ``speculative:
+  restored first; it never restores differing tokens), ``prediction`` (Predicted Outputs: a
+  draft source, the reply stays the target's), and our extension ``speculative:
   {"method", "delta", "n_draft", "drafter", "draft_p_min", "kl_budget", "posterior_threshold",
   "posterior_alpha"}``.
 * Accepted at their neutral value only (:data:`NEUTRAL_ONLY`): a field whose other values would
@@ -79,6 +80,7 @@ SETTINGS = (
     "tool_choice",
     "parallel_tool_calls",
     "prompt_cache_key",
+    "prediction",
 )
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for completions' logprobs count
 
@@ -100,7 +102,6 @@ IGNORED = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "prediction",
         "safety_identifier",
     }
 )
@@ -218,6 +219,8 @@ def parse_request(body: Mapping[str, Any], base: GenerationConfig | None = None)
     changes.update(_tool_changes(tools, changes))
     if "prompt_cache_key" in present:
         changes["cache_key"] = present["prompt_cache_key"]
+    if "prediction" in present:
+        changes["prediction"] = _prediction(present["prediction"])
     names.update(
         {"json_schema": "response_format", "grammar_trigger": "tools", "cache_key": "prompt_cache_key"}
     )
@@ -301,6 +304,23 @@ def _response_format_changes(response_format: Any) -> dict[str, Any]:
         f"response_format.type must be text, json_object or json_schema, got {kind!r}",
         param="response_format",
     )
+
+
+def _prediction(prediction: Any) -> str | None:
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``."""
+    if not isinstance(prediction, Mapping) or prediction.get("type") != "content":
+        raise InvalidSettingError(
+            f'prediction must be {{"type": "content", "content": ...}}, got {prediction!r:.100}',
+            param="prediction",
+        )
+    content = prediction.get("content")
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        content = "".join(str(part.get("text", "")) for part in content)
+    if not isinstance(content, str):
+        raise InvalidSettingError(
+            "prediction.content must be a string or text parts", param="prediction.content"
+        )
+    return content or None
 
 
 def _tool_changes(tools: ToolSetup | None, changes: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ TEXT_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 # Fields handed to the chat request under the same name.
 SAME_NAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "speculative", "prompt_cache_key",
-             "parallel_tool_calls", "prediction")  # fmt: skip
+             "parallel_tool_calls")  # fmt: skip
 # The Responses name of a chat field an error names.
 PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 REFUSED = {

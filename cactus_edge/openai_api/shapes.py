@@ -49,12 +49,20 @@ def response_blocks(stats: GenerationStats, config: GenerationConfig, timeline: 
 
 
 def _usage(stats: GenerationStats) -> dict:
-    """OpenAI's usage block; cached tokens are the prompt prefix reused from the last request."""
+    """OpenAI's usage block; cached tokens are the prompt prefix reused (the live cache or the
+    prompt cache); accepted/rejected prediction tokens are the drafts proposed from a predicted
+    output that the target kept or refused."""
+    accepted, rejected = stats.prediction_tokens
     return {
         "prompt_tokens": stats.n_prompt_tokens,
         "completion_tokens": stats.n_tokens,
         "total_tokens": stats.n_prompt_tokens + stats.n_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.n_prompt_tokens - stats.n_prompt_decoded},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
+        },
     }
 
 
