@@ -206,7 +206,7 @@ def test_bad_requests_are_400s_in_anthropics_shape_and_the_server_keeps_serving(
     assert http.post("/v1/messages", json=body()).status_code == 200
 
 
-def test_a_prompt_longer_than_the_context_is_a_400_the_sdk_does_not_retry(client, agent_server):
+def test_a_prompt_longer_than_the_context_is_a_400_the_sdk_does_not_retry(client, agent_server, caplog):
     long = [{"role": "user", "content": "the water is hot and " * 200}]
     with pytest.raises(anthropic.BadRequestError) as raised:
         anthropic.Anthropic(base_url=agent_server.url, api_key=KEY, timeout=60).messages.create(
@@ -217,6 +217,8 @@ def test_a_prompt_longer_than_the_context_is_a_400_the_sdk_does_not_retry(client
     assert counted.input_tokens > 512  # counting a prompt that does not fit still answers
     needed = int(re.search(r"--n-ctx (\d+)", str(raised.value)).group(1))
     assert needed > counted.input_tokens  # the error says what context would hold it
+    # and so does the server's log: agents show their own words for this error, not ours
+    assert any(f"--n-ctx {needed}" in record.getMessage() for record in caplog.records)
 
 
 def test_the_key_is_taken_from_x_api_key_and_a_wrong_one_is_refused(agent_server):

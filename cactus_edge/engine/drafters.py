@@ -390,15 +390,15 @@ class LookupDrafter:
         self.n_prompt = n_prompt
 
     def find(self, committed: list[int], max_tokens: int) -> tuple[list[int], str]:
-        """(continuation, source): what follows in the prediction ("prediction/<match class>"),
-        else what followed the context's last n-gram earlier on (see :class:`NgramIndex`,
-        "lookup/<match class>"), so `auto` learns how far each kind of match is right ("" when
-        nothing matches)."""
-        if self.prediction is not None:
-            tokens, length = self.prediction.match(committed[self.n_prompt :], max_tokens)
-            if tokens:
-                return tokens, f"prediction/{match_bucket(length)}"
+        """(continuation, source): what followed the context's last n-gram earlier on (see
+        :class:`NgramIndex`, "lookup/<match class>"), or what follows in the prediction
+        ("prediction/<match class>") when that match is at least as long, so `auto` learns how far
+        each kind of match is right ("" when nothing matches)."""
         tokens, length = self.index.match(committed, max_tokens)
+        if self.prediction is not None:
+            predicted, predicted_length = self.prediction.match(committed[self.n_prompt :], max_tokens)
+            if predicted and (predicted_length >= length or not tokens):
+                return predicted, f"prediction/{match_bucket(predicted_length)}"
         return tokens, f"lookup/{match_bucket(length)}" if tokens else ""
 
     def propose(self, tokens: list[int], source: str) -> Proposal:

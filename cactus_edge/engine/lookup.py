@@ -86,16 +86,17 @@ MAX_MATCH_LENGTH = 64  # longer matches tell nothing more and would only cost co
 class PredictionIndex:
     """A client's predicted output (OpenAI's Predicted Outputs) as a draft source: where the reply
     is in the prediction, and what follows there. Before the reply has tokens, the prediction's
-    start; then the longest suffix of the reply (``max_ngram`` tokens down to one) that occurs in
-    the prediction, at its first occurrence from where the last match ended: a reply walks through
-    the prediction in order, so even one token placed after the last match is a good guess. A
-    suffix of two or more tokens found only before that point is taken there (the reply went back)."""
+    start; then the longest suffix of the reply (``max_ngram`` tokens down to ``min_ngram``) that
+    occurs in the prediction, at its first occurrence from where the last match ended (a reply
+    walks through the prediction in order), else at its last one. The match length counts how far
+    back the reply and the prediction agree (up to MAX_MATCH_LENGTH), as prompt lookup's does, so
+    the drafter can take whichever of the two matched longer."""
 
-    def __init__(self, tokens: Sequence[int], *, max_ngram: int = 8) -> None:
+    def __init__(self, tokens: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 2) -> None:
         self.tokens = [int(token) for token in tokens]
-        self.max_ngram = max_ngram
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.starts: dict[int, dict[tuple[int, ...], list[int]]] = {}
-        for n in range(1, max_ngram + 1):
+        for n in range(min_ngram, max_ngram + 1):
             starts: dict[tuple[int, ...], list[int]] = {}
             for start in range(len(self.tokens) - n):  # n-grams with a token after them
                 starts.setdefault(tuple(self.tokens[start : start + n]), []).append(start)
@@ -104,23 +105,35 @@ class PredictionIndex:
 
     def match(self, reply: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
         """(continuation, match length) for a reply so far; ([], 0) when the reply's end is not
-        in the prediction. A reply with no tokens yet matches the prediction's start (length 0)."""
+        in the prediction. A reply with no tokens yet matches the prediction's start (length 0),
+        and one token that is the prediction's first continues it (length 1)."""
         if max_tokens <= 0 or not self.tokens:
             return [], 0
         if not reply:
             return self.tokens[:max_tokens], 0
-        for n in range(min(self.max_ngram, len(reply)), 0, -1):
+        if len(reply) == 1 and reply[0] == self.tokens[0]:
+            self.cursor = 1
+            return self.tokens[1 : 1 + max_tokens], 1
+        for n in range(min(self.max_ngram, len(reply)), self.min_ngram - 1, -1):
             starts = self.starts[n].get(tuple(reply[-n:]))
             if not starts:
                 continue
             # The reply moved on by a token at least since the last match: look from there.
             ahead = bisect.bisect_left(starts, self.cursor + 1 - n)
-            if ahead == len(starts) and n == 1:
-                continue  # one token seen only behind us says little
             start = starts[min(ahead, len(starts) - 1)]
             self.cursor = start + n
-            return self.tokens[start + n : start + n + max_tokens], n
+            return self.tokens[start + n : start + n + max_tokens], _agreement(reply, self.tokens, start + n)
         return [], 0
+
+
+def _agreement(reply: Sequence[int], prediction: list[int], end: int) -> int:
+    """How many tokens before ``end`` in the prediction equal the reply's last ones."""
+    length = 0
+    while length < MAX_MATCH_LENGTH and length < min(end, len(reply)):
+        if prediction[end - length - 1] != reply[len(reply) - length - 1]:
+            break
+        length += 1
+    return length
 
 
 def _extend_back(tokens: list[int], start: int, n: int) -> int:

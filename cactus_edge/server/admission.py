@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 
 from ..engine.config import GenerationConfig
-from ..errors import CactusEdgeError
+from ..errors import CactusEdgeError, ContextLengthError
 from ..openai_api import ParsedRequest
 from ..openai_api.requests import config_for_vocabulary
 from .apis import Api, Incoming
@@ -130,6 +130,8 @@ class Admission:
         try:
             engine.check_request(prompt, config)
         except CactusEdgeError as error:
+            if isinstance(error, ContextLengthError):  # agents show their own words, not ours
+                logger.warning("a request was refused: %s", error)
             raise from_library_error(error, prompt_param) from None
         return final_config(config, body, len(prompt), engine.target.n_ctx, self.settings.max_tokens_cap)
 
