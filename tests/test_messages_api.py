@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pydantic
 import pytest
-from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
+from anthropic.types import ErrorResponse, Message, MessageTokensCount, RawMessageStreamEvent
 
 from .agent_apis import (
     FINISHING_SCHEMA,
@@ -55,7 +55,9 @@ def stream_events(http, **extra) -> list[dict]:
     assert response.status_code == 200, response.text
     assert all(name == data["type"] for name, data in events)  # each event line names its data
     for _, data in events:
-        if data["type"] != "ping":  # not in the SDK's union of stream events: its reader skips it
+        if data["type"] == "error":  # the SDK's reader raises it as an APIError
+            ErrorResponse.model_validate(data)
+        elif data["type"] != "ping":  # not in the SDK's union of stream events: its reader skips it
             EVENTS.validate_python(data)
     return [data for _, data in events]
 
@@ -264,3 +266,16 @@ def test_a_forced_call_with_a_closed_schema_finishes(http):
     message = http.post("/v1/messages", json=body(max_tokens=TOOL_TOKENS, tools=[tool],
                                                   tool_choice={"type": "any"})).json()  # fmt: skip
     assert message["stop_reason"] == "tool_use" and set(message["content"][-1]["input"]) == {"ok"}
+
+
+def test_a_generation_that_fails_mid_stream_ends_with_an_error_event(http, agent_server, monkeypatch):
+    from .test_responses_api import failing_decode
+
+    failing_decode(monkeypatch, agent_server.app.engine)
+    events = stream_events(http, max_tokens=40, speculative={"method": "none"})
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "message_start" and "content_block_delta" in kinds
+    assert kinds[-1] == "error" and "message_stop" not in kinds
+    assert events[-1]["error"]["type"] == "api_error" and "secret" not in json.dumps(events)
+    monkeypatch.undo()
+    assert http.post("/v1/messages", json=body()).status_code == 200

@@ -174,3 +174,19 @@ def test_a_real_models_reply_predicted_from_its_text_comes_faster_and_the_same(s
     accepted, rejected = predicted.stats.prediction_tokens
     assert accepted >= 0.8 * len(plain.tokens), (accepted, rejected, len(plain.tokens))
     assert predicted.stats.n_verifier_calls < plain.stats.n_verifier_calls
+
+
+def test_auto_plans_a_prediction_as_free_as_a_lookup():
+    """A prediction's drafts are point masses: no decode, so `auto` must not charge them the
+    draft model's cost (it then never drafted from them on the default pair)."""
+    from cactus_edge.engine.drafters import DraftPlanner, decodes_nothing
+    from cactus_edge.rules.draft_length import CostModel
+
+    assert decodes_nothing("prediction/4+") and decodes_nothing("lookup/2") and not decodes_nothing("model")
+    costs = CostModel()
+    for n_tokens, ms in ((1, 70.0), (2, 100.0), (4, 110.0), (8, 200.0)):
+        costs.record_verify(n_tokens, ms)
+    costs.record_draft(1, 30.0)
+    planner = DraftPlanner(GenerationConfig(), costs, {})
+    assert planner.draft_cost("prediction/8+", 0, 900, 0.0)(8) == 0.0
+    assert planner.plan(8, "prediction/8+") == planner.plan(8, "lookup/8+") > 0

@@ -238,3 +238,32 @@ def test_bad_requests_are_400s_naming_the_field_and_the_server_keeps_serving(htt
 def test_a_prompt_longer_than_the_context_is_a_400(http):
     response = http.post("/v1/responses", json=body(input="the water is hot and " * 200))
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def failing_decode(monkeypatch, engine, at_call: int = 3):
+    """The target's decode raises on its ``at_call``-th call: after the prompt and a step, so the
+    stream has begun."""
+    real, calls = engine.target.decode, []
+
+    def decode(tokens, output_rows=(-1,), *, copy=True):
+        calls.append(1)
+        if len(calls) == at_call:
+            raise RuntimeError("secret internal detail")
+        return real(tokens, output_rows, copy=copy)
+
+    monkeypatch.setattr(engine.target, "decode", decode)
+
+
+def test_a_generation_that_fails_mid_stream_ends_with_error_and_response_failed(
+    http, agent_server, monkeypatch
+):
+    failing_decode(monkeypatch, agent_server.app.engine)
+    events = stream_events(http, max_output_tokens=40, speculative={"method": "none"})
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
+    assert kinds[-2:] == ["error", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "internal"
+    assert "secret" not in json.dumps(events)  # the details stay in the server's log
+    monkeypatch.undo()
+    assert http.post("/v1/responses", json=body()).status_code == 200

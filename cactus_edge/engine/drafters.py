@@ -97,6 +97,11 @@ class Probe:
     room: int
 
 
+def decodes_nothing(source: str) -> bool:
+    """Whether drafting from ``source`` costs no decode: prompt lookup and a predicted output."""
+    return source.startswith(("lookup", "prediction"))
+
+
 class DraftPlanner:
     """The draft length of each step, and what `auto` learns from each verification.
 
@@ -130,7 +135,7 @@ class DraftPlanner:
         """
         if not self.config.auto or room == 0:
             return room
-        if not self.costs.verify or (not source.startswith("lookup") and not self.costs.draft):
+        if not self.costs.verify or (not decodes_nothing(source) and not self.costs.draft):
             return min(room, 4)  # measure something first
         tracker = self.tracker(source)
         run = max(expected_run(tracker.rates[0]), horizon)
@@ -159,8 +164,8 @@ class DraftPlanner:
     def draft_cost(self, source: str, n_guided: int, n_catch_up: int, run_tokens: float):
         """k → estimated ms to draft k tokens from this source, catch-up spread over a run of
         run_tokens tokens."""
-        if source.startswith("lookup"):
-            return lambda k: 0.0  # a lookup costs no decode
+        if decodes_nothing(source):
+            return lambda k: 0.0  # a lookup or a prediction costs no decode
         return lambda k: self.costs.model_draft_ms(k, n_catch_up, n_guided, run_tokens)
 
     def learn(self, proposal: Proposal, acceptance_probs: Sequence[float], emitted_first: int) -> None:
