@@ -421,9 +421,7 @@ def poll_health(url: str, run: Run, stop: threading.Event) -> None:
 
 
 def one_step(kind: str, http, url: str, index: int, args, run: Run) -> None:
-    if args.conversations and index % SWITCH_EVERY == SWITCH_EVERY - 1:
-        run.add(switch(http, index // SWITCH_EVERY, args))
-    elif kind in ("chat", "completion"):
+    if kind in ("chat", "completion"):
         run.add(complete(http, index, args, chat=kind == "chat"))
     elif kind in ("stream", "stream_completion"):
         run.add(stream(http, index, args, chat=kind == "stream"))
@@ -445,15 +443,18 @@ def soak(url: str, pid: int, args) -> Run:
     poller.start()
     try:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
-            step = 0
+            step = turn = 0
             while len(run.outcomes) < args.requests:
                 if (
                     step % BURST_EVERY == BURST_EVERY - 1
                     and args.requests - len(run.outcomes) >= args.max_queue + 3
                 ):
                     burst(url, step, args, run)
+                elif args.conversations and step % SWITCH_EVERY == SWITCH_EVERY - 1:
+                    run.add(switch(http, step // SWITCH_EVERY, args))  # beside the rotation, not instead
                 else:
-                    one_step(ROTATION[step % len(ROTATION)], http, url, step, args, run)
+                    one_step(ROTATION[turn % len(ROTATION)], http, url, step, args, run)
+                    turn += 1
                 step += 1
                 done = len(run.outcomes)
                 if done >= args.warmup and (not run.rss_mb or done - run.rss_mb[-1][0] >= 10):

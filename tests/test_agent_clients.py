@@ -131,12 +131,17 @@ def with_our_call_ids(request: dict, our_calls: dict[str, str]) -> dict:
 def forcing_the_recorded_call(request: dict) -> dict:
     """A Responses request made to call the tool the recording server called, with room to."""
     name = request["answered_with_calls"][0]["name"]
-    body = {
-        **request["body"],
-        "tool_choice": {"type": "function", "name": name},
-        "max_output_tokens": REPLY_CAP,
-    }
-    return {**request, "body": body}
+    forced = {"tool_choice": {"type": "function", "name": name}, "max_output_tokens": REPLY_CAP}
+    # Greedy, and the call's strings held short (a tiny model's never end): a whole call on every run.
+    tools = [_short_strings(tool) if tool.get("name") == name else tool for tool in request["body"]["tools"]]
+    return {**request, "body": {**request["body"], **forced, "tools": tools, "temperature": 0}}
+
+
+def _short_strings(tool: dict) -> dict:
+    properties = tool["parameters"].get("properties", {})
+    short = {key: {**value, "maxLength": 8} if value.get("type") == "string" else value
+             for key, value in properties.items()}  # fmt: skip
+    return {**tool, "parameters": {**tool["parameters"], "properties": short}}
 
 
 def _message_usage(usage: dict) -> dict:

@@ -263,7 +263,8 @@ def test_a_generation_that_fails_mid_stream_ends_with_error_and_response_failed(
     assert kinds[0] == "response.created" and "response.output_text.delta" in kinds
     assert kinds[-2:] == ["error", "response.failed"]
     failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "internal"
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert events[-2]["code"] == "internal"  # ours, in the error event
     assert "secret" not in json.dumps(events)  # the details stay in the server's log
     monkeypatch.undo()
     assert http.post("/v1/responses", json=body()).status_code == 200

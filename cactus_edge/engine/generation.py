@@ -209,7 +209,9 @@ class Generation:
         model = self.draft and ModelDrafter(
             self.draft, vocab, config, self.rng, costs, profile, shaper, is_end
         )
-        prediction = self.target.tokenize(config.prediction, add_special=False) if config.prediction else ()
+        prediction = ()
+        if config.prediction and self.rule is not None:  # a reply longer than the context cannot be
+            prediction = self.target.tokenize(config.prediction, add_special=False)[: self.engine.n_ctx]
         lookup = LookupDrafter(vocab, prediction, self.n_prompt)
         return DraftSourceChooser(config.drafter, self.planner, model, lookup, profile, shaper, is_end)
 

@@ -63,7 +63,8 @@ def text_of_parts(content: Any, param: str, text_types: frozenset[str]) -> str:
                 f"{where} is a {kind!r} part; this server reads text only ({', '.join(sorted(text_types))})",
                 f"{where}.type",
             )
-        texts.append(expect_str(part.get("text"), f"{where}.text"))
+        key = "refusal" if kind == "refusal" else "text"  # a refusal part keeps its text there
+        texts.append(expect_str(part.get(key), f"{where}.{key}"))
     return "\n".join(texts)
 
 

@@ -296,8 +296,13 @@ class MessagesReply:
 
     # events
 
-    def opening(self) -> list[tuple[str, dict]]:
-        usage = {"input_tokens": self.n_prompt, "output_tokens": 0}
+    def opening(self, n_cached: int = 0) -> list[tuple[str, dict]]:
+        """message_start (its usage as far as known: the prompt computed and reused) and a ping."""
+        usage = {
+            "input_tokens": self.n_prompt - n_cached,
+            "cache_read_input_tokens": n_cached,
+            "output_tokens": 0,
+        }
         start = {"type": "message_start", "message": self.message([], None, None, usage)}
         return [("message_start", start), ("ping", {"type": "ping"})]
 

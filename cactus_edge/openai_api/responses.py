@@ -348,9 +348,10 @@ class ResponsesReply:
         return [*events, self.event(kind, response=self.final)]
 
     def failure(self, message: str, code: str) -> list[tuple[str, dict]]:
-        """A generation that failed after the stream began: ``error``, then ``response.failed``."""
+        """A generation that failed after the stream began: ``error`` (with our code), then
+        ``response.failed`` (whose error code OpenAI's types limit to its own names)."""
         failed = self.response("failed")
-        failed["error"] = {"code": code, "message": message}
+        failed["error"] = {"code": "server_error", "message": message}
         return [
             self.event("error", code=code, message=message, param=None),
             self.event("response.failed", response=failed),
@@ -426,7 +427,7 @@ class ResponsesReply:
                 messages.append({"role": "assistant", "content": item["content"][0]["text"]})
             else:
                 add_tool_call(messages, tool_call(item["call_id"], item["name"], item["arguments"]))
-        return messages
+        return messages or [{"role": "assistant", "content": ""}]  # an empty reply is still a turn
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
@@ -473,22 +474,25 @@ class ResponseStore:
     _entries: OrderedDict[str, StoredResponse] = field(default_factory=OrderedDict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     evictions: int = 0
+    n_bytes: int = 0
 
     def keep(self, request: ResponsesRequest, reply: ResponsesReply) -> None:
-        """Store a finished response, if its request asked to (``store``, true by default)."""
+        """Store a finished response, if its request asked to (``store``, true by default) and it
+        fits the bound at all; then drop the least recently used until the bound holds."""
         if not request.store or reply.final is None:
             return
         output_ids = frozenset(item["id"] for item in reply.output)
         messages = [*request.history, *request.messages, *reply.assistant_messages()]
         stored = StoredResponse(reply.final, messages, request.item_ids | output_ids)
         stored.n_bytes = len(json.dumps(stored.body)) + len(json.dumps(messages))
+        if stored.n_bytes > self.max_bytes:
+            return
         with self._lock:
             self._entries[reply.id] = stored
-            while (
-                sum(entry.n_bytes for entry in self._entries.values()) > self.max_bytes
-                and len(self._entries) > 1
-            ):
-                self._entries.popitem(last=False)
+            self.n_bytes += stored.n_bytes
+            while self.n_bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self.n_bytes -= evicted.n_bytes
                 self.evictions += 1
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -500,7 +504,9 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._entries.pop(response_id, None) is not None
+            stored = self._entries.pop(response_id, None)
+            self.n_bytes -= stored.n_bytes if stored is not None else 0
+            return stored is not None
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -77,8 +77,7 @@ class Admission:
             *_clamp_header(incoming.chat_body, job.config),
             *_unenforced_header(request),
         ]
-        if await respond(exchange, scheduler, job, replier, incoming.stream, api, headers):
-            api.finished(incoming, replier, self)
+        await respond(exchange, scheduler, job, replier, incoming.stream, api, headers)
 
     async def _prepare(
         self, exchange: Exchange, engine, api: Api, ticket: int, arrived: float

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from ..openai_api.replies import Reply
 from .errors import HTTPError, from_library_error
 
 logger = logging.getLogger("cactus_edge.server")
+HEADER_UNSAFE = re.compile(r"[^A-Za-z0-9_.:/@+-]")  # what a tool name may hold in a header
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
@@ -56,9 +58,6 @@ class Api:
         shape = ResponseShape.new(self.template, model, parsed.include_usage)
         return ChatReplier(Reply(shape, parsed.tools, parsed.config.logprobs))
 
-    def finished(self, incoming: Incoming, replier, app) -> None:
-        """After a complete answer (Responses stores it)."""
-
     def error_body(self, error: HTTPError) -> dict:
         return error.body()
 
@@ -84,7 +83,7 @@ class ChatReplier:
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
 
-    def opening(self) -> list[bytes]:
+    def opening(self, first: StreamEvent) -> list[bytes]:
         role = self.reply.shape.role_chunk()
         return [sse(role)] if role is not None else []
 
@@ -129,30 +128,37 @@ class ResponsesApi(Api):
         return Incoming(request.chat_body, request.chat_body["stream"], headers, request)
 
     def replier(self, incoming: Incoming, parsed, model: str, n_prompt: int):
-        return ResponsesReplier(_chat_reply(parsed, model), responses.ResponsesReply(incoming.context, model))
-
-    def finished(self, incoming: Incoming, replier, app) -> None:
-        self.store.keep(incoming.context, replier.api_reply)
+        api_reply = responses.ResponsesReply(incoming.context, model)
+        # Stored before its last event goes out: a client may continue it the moment it has it.
+        return ResponsesReplier(
+            _chat_reply(parsed, model), api_reply, lambda: self.store.keep(incoming.context, api_reply)
+        )
 
 
 class ResponsesReplier:
-    def __init__(self, reply: Reply, api_reply: responses.ResponsesReply) -> None:
-        self.reply, self.api_reply = reply, api_reply
+    """``keep``: stores the finished response (if its request asked to)."""
 
-    def opening(self) -> list[bytes]:
+    def __init__(self, reply: Reply, api_reply: responses.ResponsesReply, keep) -> None:
+        self.reply, self.api_reply, self.keep = reply, api_reply, keep
+
+    def opening(self, first: StreamEvent) -> list[bytes]:
         return _framed(self.api_reply.opening())
 
     def add(self, event: StreamEvent) -> list[bytes]:
         return _framed([e for chunk in self.reply.add(event) for e in self.api_reply.add(chunk)])
 
     def finish(self, event: StreamEvent, blocks: dict) -> list[bytes]:
-        return _framed(self.api_reply.finish(self.reply.finish(event, blocks)))
+        frames = _framed(self.api_reply.finish(self.reply.finish(event, blocks)))
+        self.keep()
+        return frames
 
     def add_quietly(self, event: StreamEvent) -> None:
         self.reply.add_quietly(event)
 
     def complete(self, event: StreamEvent, blocks: dict) -> dict:
-        return self.api_reply.complete(self.reply.complete(event, blocks))
+        body = self.api_reply.complete(self.reply.complete(event, blocks))
+        self.keep()
+        return body
 
     def failure(self, error: HTTPError) -> list[bytes]:
         return _framed(self.api_reply.failure(error.message, error.code or "server_error"))
@@ -188,8 +194,10 @@ class MessagesReplier:
     def __init__(self, reply: Reply, api_reply: messages.MessagesReply) -> None:
         self.reply, self.api_reply = reply, api_reply
 
-    def opening(self) -> list[bytes]:
-        return _framed(self.api_reply.opening())
+    def opening(self, first: StreamEvent) -> list[bytes]:
+        stats = first.stats
+        cached = stats.n_prompt_tokens - stats.n_prompt_decoded if stats is not None else 0
+        return _framed(self.api_reply.opening(cached))
 
     def add(self, event: StreamEvent) -> list[bytes]:
         return _framed([e for chunk in self.reply.add(event) for e in self.api_reply.add(chunk)])
@@ -214,9 +222,10 @@ def _framed(events: list[tuple[str, dict]]) -> list[bytes]:
 
 
 def _skipped_header(skipped: list[str], api: str) -> list[tuple[str, str]]:
-    """Tools left out of the prompt are named in a response header and logged once per request."""
+    """Tools left out of the prompt are named in a response header (their names as a header can
+    hold them: a client's name may be any text) and logged once per request."""
     if not skipped:
         return []
-    names = ", ".join(skipped)
-    logger.info("%s: tools this server cannot run were left out of the prompt: %s", api, names)
+    logger.info("%s: tools this server cannot run were left out of the prompt: %s", api, skipped)
+    names = ", ".join(HEADER_UNSAFE.sub("?", name) for name in skipped)
     return [("x-cactus-edge-skipped-tools", names[:500])]

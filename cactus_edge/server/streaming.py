@@ -95,7 +95,7 @@ async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list
             *headers,
         ],
     )
-    await _send(exchange, replier.opening())
+    await _send(exchange, replier.opening(first))
     kind, value, whole = "event", first, False
     while True:
         if kind == "disconnected":
@@ -103,7 +103,11 @@ async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list
         if kind == "error":
             await _send(exchange, replier.failure(api.library_error(value)))
             break
-        if kind == "end":
+        if kind == "end":  # the generation ended without a result: say so in the stream
+            error = HTTPError(
+                500, "the generation ended without a result", type="server_error", code="internal"
+            )
+            await _send(exchange, replier.failure(error))
             break
         event: StreamEvent = value
         if event.finish_reason is not None:
