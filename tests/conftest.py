@@ -197,3 +197,17 @@ def agent_server(engine):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path):
+    """`serve` over SmolLM2 135M drafting for itself (n_ctx 2048, model id "smollm2"): a real
+    instruct model whose replies end, for the client libraries' tests."""
+    from cactus_edge.engine.engine import Engine
+    from cactus_edge.server import ServerSettings, create_server
+
+    with Engine.load(str(smollm2_path), str(smollm2_path), n_ctx=2048, n_threads=TEST_THREADS) as engine:
+        server = create_server(engine, ServerSettings(port=0, model_name="smollm2"))
+        server.start()
+        yield server
+        assert server.stop(timeout=120)

@@ -6,26 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from cactus_edge.engine.engine import Engine
-from cactus_edge.server import ServerSettings, create_server
-
-from .conftest import TEST_THREADS
-
 pytestmark = pytest.mark.slow
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    with Engine.load(str(smollm2_path), str(smollm2_path), n_ctx=2048, n_threads=TEST_THREADS) as engine:
-        server = create_server(engine, ServerSettings(port=0, model_name="smollm2"))
-        server.start()
-        yield server
-        server.stop()
-
-
-def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(server):
+def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(smollm2_server):
     """A forced call, the tool run by the SDK, its output sent back as function_call_output, then
     the model's reply (the SDK resets tool_choice to auto after a call)."""
     called = []
@@ -36,7 +22,7 @@ def test_the_agents_sdk_runs_a_tool_loop_on_its_default_responses_model(server):
         called.append(city)
         return f"It is cold in {city}."
 
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0)
     model = agents.OpenAIResponsesModel(model="smollm2", openai_client=client)
     settings = agents.ModelSettings(tool_choice="required", max_tokens=200, temperature=0)
     agent = agents.Agent(

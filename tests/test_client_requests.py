@@ -17,25 +17,11 @@ import httpx
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from cactus_edge.engine.engine import Engine
-from cactus_edge.server import ServerSettings, create_server
-
-from .conftest import TEST_THREADS
-
 pytestmark = pytest.mark.slow
 
 FIXTURES = sorted((Path(__file__).parent / "fixtures" / "clients").glob("*.json"))
 WAIT = 120
 MAX_TOKENS = 200
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    with Engine.load(str(smollm2_path), str(smollm2_path), n_ctx=2048, n_threads=TEST_THREADS) as engine:
-        server = create_server(engine, ServerSettings(port=0, model_name="smollm2"))
-        server.start()
-        yield server
-        assert server.stop(timeout=WAIT)
 
 
 def replayed(body: dict) -> dict:
@@ -72,10 +58,10 @@ def check_schema(body: dict, content: str | None, finish: str) -> None:
 
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=[path.stem for path in FIXTURES])
-def test_each_recorded_request_gets_the_shape_its_library_parses(server, fixture):
+def test_each_recorded_request_gets_the_shape_its_library_parses(smollm2_server, fixture):
     recorded = json.loads(fixture.read_text())
     assert recorded["requests"], fixture
-    with httpx.Client(base_url=server.url, timeout=WAIT) as http:
+    with httpx.Client(base_url=smollm2_server.url, timeout=WAIT) as http:
         for request in recorded["requests"]:
             body = replayed(request["body"])
             headers = {key: value for key, value in request["headers"].items() if key != "user-agent"}

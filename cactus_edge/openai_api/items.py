@@ -106,3 +106,39 @@ def decoded_arguments(arguments: str) -> dict:
     except ValueError:
         return {}
     return decoded if isinstance(decoded, dict) else {}
+
+
+class ChunkTranslator:
+    """A chat reply's stream chunks as another API's events: subclasses write ``_text`` (a piece
+    of text) and ``_call`` (a tool-call delta: a call's start or its arguments) and ``_close``
+    (the events that end the block or item being written)."""
+
+    def add(self, chunk: dict) -> list[tuple[str, dict]]:
+        """The events for one chat chunk."""
+        events = []
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call(call)
+        return events
+
+    def ending(self, final_chunks: list[dict]) -> tuple[list[tuple[str, dict]], str, dict]:
+        """(the events of the chat stream's finishing chunks, the open block's end included; the
+        finish reason; the last chunk, which with include_usage carries usage and our blocks)."""
+        events = []
+        for chunk in final_chunks:
+            events += self.add(chunk)
+        events += self._close()
+        finish = [c["choices"][0]["finish_reason"] for c in final_chunks if c.get("choices")][-1]
+        return events, finish, final_chunks[-1]
+
+    def _text(self, text: str) -> list[tuple[str, dict]]:
+        raise NotImplementedError
+
+    def _call(self, call: dict) -> list[tuple[str, dict]]:
+        raise NotImplementedError
+
+    def _close(self) -> list[tuple[str, dict]]:
+        raise NotImplementedError

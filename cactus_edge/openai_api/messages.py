@@ -26,6 +26,7 @@ from typing import Any
 
 from ..checks import is_int
 from .items import (
+    ChunkTranslator,
     add_tool_call,
     check_tool_results,
     decoded_arguments,
@@ -256,7 +257,7 @@ def chat_tool_choice(choice: Any, has_tools: bool) -> dict:
 # --- the response ------------------------------------------------------------------------------
 
 
-class MessagesReply:
+class MessagesReply(ChunkTranslator):
     """A chat reply's chunks as Anthropic's stream events (:meth:`opening`, :meth:`add`,
     :meth:`finish`, :meth:`failure`), or its whole body as a message (:meth:`complete`)."""
 
@@ -306,23 +307,8 @@ class MessagesReply:
         start = {"type": "message_start", "message": self.message([], None, None, usage)}
         return [("message_start", start), ("ping", {"type": "ping"})]
 
-    def add(self, chunk: dict) -> list[tuple[str, dict]]:
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-        return events
-
     def finish(self, final_chunks: list[dict], stop_string: str | None) -> list[tuple[str, dict]]:
-        events = []
-        for chunk in final_chunks:
-            events += self.add(chunk)
-        events += self._close()
-        finish = [c["choices"][0]["finish_reason"] for c in final_chunks if c.get("choices")][-1]
-        blocks = final_chunks[-1]  # with include_usage, the last chunk carries usage and our blocks
+        events, finish, blocks = self.ending(final_chunks)
         reason, sequence = _stop_reason(finish, stop_string)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": _usage(blocks["usage"]), **_blocks(blocks)}  # fmt: skip

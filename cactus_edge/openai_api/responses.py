@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .items import (
+    ChunkTranslator,
     add_tool_call,
     check_tool_results,
     expect_list,
@@ -260,7 +261,7 @@ def _echo(body: Mapping, tools: list[dict]) -> dict:
 # --- the response ------------------------------------------------------------------------------
 
 
-class ResponsesReply:
+class ResponsesReply(ChunkTranslator):
     """A chat reply's chunks as the Responses API's events (:meth:`opening`, :meth:`add`,
     :meth:`finish`, :meth:`failure`), or its whole body as a response object (:meth:`complete`)."""
 
@@ -324,25 +325,9 @@ class ResponsesReply:
             self.event("response.in_progress", response=self.response("in_progress")),
         ]
 
-    def add(self, chunk: dict) -> list[tuple[str, dict]]:
-        """The events for one chat chunk (text, or tool-call deltas)."""
-        events = []
-        for choice in chunk.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
-        return events
-
     def finish(self, final_chunks: list[dict]) -> list[tuple[str, dict]]:
         """The last events, from the chat stream's finishing chunks (the finish, then usage)."""
-        events = []
-        for chunk in final_chunks:
-            events += self.add(chunk)
-        events += self._close()
-        finish = [c["choices"][0]["finish_reason"] for c in final_chunks if c.get("choices")][-1]
-        blocks = final_chunks[-1]  # with include_usage, the last chunk carries usage and our blocks
+        events, finish, blocks = self.ending(final_chunks)
         self.final = self._finished(finish, blocks)
         kind = "response.incomplete" if self.final["status"] == "incomplete" else "response.completed"
         return [*events, self.event(kind, response=self.final)]

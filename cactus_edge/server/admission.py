@@ -86,7 +86,7 @@ class Admission:
         converted, parsed, tokenized and checked by the engine; ClientGone if the client hangs up
         while sending it."""
         body = await read_json(exchange, self.settings.max_body_bytes)
-        incoming = api.read(body, self)
+        incoming = api.read(body)
         chat_body = incoming.chat_body
         try:
             request = parse_body(chat_body, self.settings.base_config)

@@ -42,16 +42,15 @@ class Incoming:
 class Api:
     """OpenAI's chat completions (``chat``) or legacy completions; the base of the others."""
 
-    name = "chat"
     template = True  # the prompt goes through the chat template (else: a raw prompt)
     prompt_param = "messages"
     params: Mapping[str, str] = {}  # the API's name of a chat field an error names
 
     def __init__(self, chat: bool = True) -> None:
         if not chat:
-            self.name, self.template, self.prompt_param = "completions", False, "prompt"
+            self.template, self.prompt_param = False, "prompt"
 
-    def read(self, body: Any, app) -> Incoming:
+    def read(self, body: Any) -> Incoming:
         return Incoming(body, bool(body.get("stream")) if isinstance(body, Mapping) else False)
 
     def replier(self, incoming: Incoming, parsed, model: str, n_prompt: int):
@@ -112,14 +111,13 @@ def _chat_reply(parsed, model: str) -> Reply:
 
 
 class ResponsesApi(Api):
-    name = "responses"
     prompt_param = "input"
     params = responses.PARAMS
 
     def __init__(self, store: responses.ResponseStore) -> None:
         self.store = store
 
-    def read(self, body: Any, app) -> Incoming:
+    def read(self, body: Any) -> Incoming:
         try:
             request = responses.read_responses_request(body, self.store)
         except InvalidSettingError as error:
@@ -135,25 +133,33 @@ class ResponsesApi(Api):
         )
 
 
-class ResponsesReplier:
-    """``keep``: stores the finished response (if its request asked to)."""
+class _Translated:
+    """A chat reply's chunks translated into another API's events (``api_reply``)."""
 
-    def __init__(self, reply: Reply, api_reply: responses.ResponsesReply, keep) -> None:
-        self.reply, self.api_reply, self.keep = reply, api_reply, keep
-
-    def opening(self, first: StreamEvent) -> list[bytes]:
-        return _framed(self.api_reply.opening())
+    def __init__(self, reply: Reply, api_reply) -> None:
+        self.reply, self.api_reply = reply, api_reply
 
     def add(self, event: StreamEvent) -> list[bytes]:
         return _framed([e for chunk in self.reply.add(event) for e in self.api_reply.add(chunk)])
+
+    def add_quietly(self, event: StreamEvent) -> None:
+        self.reply.add_quietly(event)
+
+
+class ResponsesReplier(_Translated):
+    """``keep``: stores the finished response (if its request asked to)."""
+
+    def __init__(self, reply: Reply, api_reply: responses.ResponsesReply, keep) -> None:
+        super().__init__(reply, api_reply)
+        self.keep = keep
+
+    def opening(self, first: StreamEvent) -> list[bytes]:
+        return _framed(self.api_reply.opening())
 
     def finish(self, event: StreamEvent, blocks: dict) -> list[bytes]:
         frames = _framed(self.api_reply.finish(self.reply.finish(event, blocks)))
         self.keep()
         return frames
-
-    def add_quietly(self, event: StreamEvent) -> None:
-        self.reply.add_quietly(event)
 
     def complete(self, event: StreamEvent, blocks: dict) -> dict:
         body = self.api_reply.complete(self.reply.complete(event, blocks))
@@ -168,11 +174,10 @@ class ResponsesReplier:
 
 
 class MessagesApi(Api):
-    name = "messages"
     prompt_param = "messages"
     params = messages.PARAMS
 
-    def read(self, body: Any, app) -> Incoming:
+    def read(self, body: Any) -> Incoming:
         try:
             request = messages.read_messages_request(body)
         except InvalidSettingError as error:
@@ -190,31 +195,25 @@ class MessagesApi(Api):
         return messages.error_body(error.status, message)
 
 
-class MessagesReplier:
-    def __init__(self, reply: Reply, api_reply: messages.MessagesReply) -> None:
-        self.reply, self.api_reply = reply, api_reply
-
+class MessagesReplier(_Translated):
     def opening(self, first: StreamEvent) -> list[bytes]:
         stats = first.stats
         cached = stats.n_prompt_tokens - stats.n_prompt_decoded if stats is not None else 0
         return _framed(self.api_reply.opening(cached))
 
-    def add(self, event: StreamEvent) -> list[bytes]:
-        return _framed([e for chunk in self.reply.add(event) for e in self.api_reply.add(chunk)])
-
     def finish(self, event: StreamEvent, blocks: dict) -> list[bytes]:
         chunks = self.reply.finish(event, blocks)
-        return _framed(self.api_reply.finish(chunks, event.stats.stop_string if event.stats else None))
-
-    def add_quietly(self, event: StreamEvent) -> None:
-        self.reply.add_quietly(event)
+        return _framed(self.api_reply.finish(chunks, _stop_string(event)))
 
     def complete(self, event: StreamEvent, blocks: dict) -> dict:
-        chat = self.reply.complete(event, blocks)
-        return self.api_reply.complete(chat, event.stats.stop_string if event.stats else None)
+        return self.api_reply.complete(self.reply.complete(event, blocks), _stop_string(event))
 
     def failure(self, error: HTTPError) -> list[bytes]:
         return _framed(self.api_reply.failure(error.status, error.message))
+
+
+def _stop_string(event: StreamEvent) -> str | None:
+    return event.stats.stop_string if event.stats is not None else None
 
 
 def _framed(events: list[tuple[str, dict]]) -> list[bytes]:
