@@ -89,6 +89,18 @@ def read_responses_request(body: Any, store: ResponseStore | None) -> ResponsesR
     offset = len(system) + len(history)
     check_tool_results(conversation, {offset + index: name for index, name in where.items()})
     tools, skipped = function_tools(body.get("tools"))
+    chat_body = _chat_body(body, conversation, tools, skipped)
+    store_it = body.get("store", True)
+    if not isinstance(store_it, bool):
+        raise refuse(f"store must be a boolean, got {store_it!r}", "store")
+    chain_ids = previous.item_ids if previous is not None else frozenset()
+    return ResponsesRequest(
+        chat_body, _echo(body, tools), store_it, skipped, history, messages, chain_ids | item_ids
+    )
+
+
+def _chat_body(body: Mapping, conversation: list[dict], tools: list[dict], skipped: list[str]) -> dict:
+    """The chat completions request that answers a Responses request."""
     chat_body = {name: body[name] for name in SAME_NAME if body.get(name) is not None}
     chat_body.update(
         messages=conversation, stream=bool(body.get("stream")), stream_options={"include_usage": True}
@@ -103,13 +115,7 @@ def read_responses_request(body: Any, store: ResponseStore | None) -> ResponsesR
     response_format = chat_response_format(body.get("text"))
     if response_format is not None:
         chat_body["response_format"] = response_format
-    store_it = body.get("store", True)
-    if not isinstance(store_it, bool):
-        raise refuse(f"store must be a boolean, got {store_it!r}", "store")
-    chain_ids = previous.item_ids if previous is not None else frozenset()
-    return ResponsesRequest(
-        chat_body, _echo(body, tools), store_it, skipped, history, messages, chain_ids | item_ids
-    )
+    return chat_body
 
 
 def _previous(response_id: Any, store: ResponseStore | None) -> StoredResponse | None:
