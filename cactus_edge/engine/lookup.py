@@ -122,26 +122,23 @@ class PredictionIndex:
             ahead = bisect.bisect_left(starts, self.cursor + 1 - n)
             start = starts[min(ahead, len(starts) - 1)]
             self.cursor = start + n
-            return self.tokens[start + n : start + n + max_tokens], _agreement(reply, self.tokens, start + n)
+            agreement = common_suffix(self.tokens, start + n, reply, len(reply), n)
+            return self.tokens[start + n : start + n + max_tokens], agreement
         return [], 0
-
-
-def _agreement(reply: Sequence[int], prediction: list[int], end: int) -> int:
-    """How many tokens before ``end`` in the prediction equal the reply's last ones."""
-    length = 0
-    while length < MAX_MATCH_LENGTH and length < min(end, len(reply)):
-        if prediction[end - length - 1] != reply[len(reply) - length - 1]:
-            break
-        length += 1
-    return length
 
 
 def _extend_back(tokens: list[int], start: int, n: int) -> int:
     """Length of the match between the tokens ending at start + n and those ending at the end,
     given that the last n agree."""
-    end, length = len(tokens), n
-    while length < MAX_MATCH_LENGTH and start + n - length > 0:
-        if tokens[start + n - length - 1] != tokens[end - length - 1]:
+    return common_suffix(tokens, start + n, tokens, len(tokens), n)
+
+
+def common_suffix(a: Sequence[int], a_end: int, b: Sequence[int], b_end: int, known: int = 0) -> int:
+    """How many tokens before ``a_end`` in ``a`` equal those before ``b_end`` in ``b`` (at most
+    MAX_MATCH_LENGTH), the last ``known`` of them known to agree already."""
+    length = known
+    while length < MAX_MATCH_LENGTH and length < min(a_end, b_end):
+        if a[a_end - length - 1] != b[b_end - length - 1]:
             break
         length += 1
     return length

@@ -191,7 +191,7 @@ def _add_block(messages: list[dict], where: dict[int, str], role: str, block: Ma
 def _add_text(messages: list[dict], role: str, text: str) -> None:
     """Text joins the message before it when that is the same role's text (blocks of one message)."""
     last = messages[-1] if messages else None
-    if last is not None and last["role"] == role and not last.get("tool_calls") and role != "tool":
+    if last is not None and last["role"] == role and not last.get("tool_calls"):
         last["content"] = f"{last['content']}\n\n{text}" if last["content"] else text
     else:
         messages.append({"role": role, "content": text})

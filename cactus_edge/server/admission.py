@@ -18,7 +18,7 @@ from ..errors import CactusEdgeError, ContextLengthError
 from ..openai_api import ParsedRequest
 from ..openai_api.requests import config_for_vocabulary
 from .apis import Api, Incoming
-from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, from_library_error, quote
+from .errors import HTTPError, QueueFull, ShuttingDown, busy_error, from_library_error, model_loading, quote
 from .exchange import Exchange
 from .parsing import ClientGone, check_declared_length, final_config, parse_body, read_json, tokenize
 from .scheduler import Job, Place, Scheduler
@@ -60,7 +60,7 @@ class Admission:
         ticket = next(self._tickets)  # arrival order, kept through tokenization
         check_declared_length(exchange, self.settings.max_body_bytes)
         if scheduler is None:
-            raise busy_error("the model is loading", "model_loading")
+            raise model_loading()
         with self._reserve(scheduler) as place:
             try:
                 incoming, request, job = await self._prepare(exchange, engine, api, ticket, arrived)
@@ -77,7 +77,7 @@ class Admission:
             *_clamp_header(incoming.chat_body, job.config),
             *_unenforced_header(request),
         ]
-        await respond(exchange, scheduler, job, replier, incoming.stream, api, headers)
+        await respond(exchange, scheduler, job, replier, request.stream, api, headers)
 
     async def _prepare(
         self, exchange: Exchange, engine, api: Api, ticket: int, arrived: float
@@ -89,13 +89,7 @@ class Admission:
         incoming = api.read(body)
         chat_body = incoming.chat_body
         try:
-            request = parse_body(chat_body, self.settings.base_config)
-            check_model(self.settings, request.model)
-            chat = api.template
-            tools = request.tools.tools if request.tools is not None and chat else None
-            prompt = await tokenize(
-                engine, chat_body, chat, self.settings.default_system, self._tokenize_slots, tools
-            )
+            request, prompt = await self._prompt(engine, chat_body, api.template, check=True)
             config = config_for_vocabulary(request, engine)
             loop = asyncio.get_running_loop()
             if config.grammar_source is None:
@@ -111,14 +105,24 @@ class Admission:
     async def count_tokens(self, engine, chat_body: Mapping, api: Api) -> int:
         """How many tokens a chat request's prompt has (its tools included), as it would run."""
         try:
-            request = parse_body(chat_body, self.settings.base_config)
-            tools = request.tools.tools if request.tools is not None else None
-            prompt = await tokenize(
-                engine, chat_body, True, self.settings.default_system, self._tokenize_slots, tools
-            )
+            _, prompt = await self._prompt(engine, chat_body, chat=True, check=False)
         except HTTPError as error:
             raise api.renamed(error) from None
         return len(prompt)
+
+    async def _prompt(
+        self, engine, chat_body: Mapping, chat: bool, check: bool
+    ) -> tuple[ParsedRequest, list[int]]:
+        """(the chat request parsed, its prompt tokenized, tools included); ``check``: its model
+        is checked before the prompt is tokenized."""
+        request = parse_body(chat_body, self.settings.base_config)
+        if check:
+            check_model(self.settings, request.model)
+        tools = request.tools.tools if request.tools is not None and chat else None
+        prompt = await tokenize(
+            engine, chat_body, chat, self.settings.default_system, self._tokenize_slots, tools
+        )
+        return request, prompt
 
     def _fit(
         self, engine, config: GenerationConfig, body: Mapping, prompt: list[int], prompt_param: str

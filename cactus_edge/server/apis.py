@@ -34,7 +34,6 @@ class Incoming:
     """A request read by its API: the chat request that answers it, and what the reply needs."""
 
     chat_body: dict
-    stream: bool
     headers: list[tuple[str, str]] = field(default_factory=list)  # extra response headers
     context: Any = None  # the API's own reading of the request
 
@@ -51,7 +50,7 @@ class Api:
             self.template, self.prompt_param = False, "prompt"
 
     def read(self, body: Any) -> Incoming:
-        return Incoming(body, bool(body.get("stream")) if isinstance(body, Mapping) else False)
+        return Incoming(body)
 
     def replier(self, incoming: Incoming, parsed, model: str, n_prompt: int):
         shape = ResponseShape.new(self.template, model, parsed.include_usage)
@@ -121,9 +120,9 @@ class ResponsesApi(Api):
         try:
             request = responses.read_responses_request(body, self.store)
         except InvalidSettingError as error:
-            raise from_library_error(error, "input") from None
+            raise self.library_error(error) from None
         headers = _skipped_header(request.skipped_tools, "responses")
-        return Incoming(request.chat_body, request.chat_body["stream"], headers, request)
+        return Incoming(request.chat_body, headers, request)
 
     def replier(self, incoming: Incoming, parsed, model: str, n_prompt: int):
         api_reply = responses.ResponsesReply(incoming.context, model)
@@ -183,7 +182,7 @@ class MessagesApi(Api):
         except InvalidSettingError as error:
             raise self.library_error(error) from None
         headers = _skipped_header(request.skipped_tools, "messages")
-        return Incoming(request.chat_body, request.chat_body["stream"], headers, request)
+        return Incoming(request.chat_body, headers, request)
 
     def replier(self, incoming: Incoming, parsed, model: str, n_prompt: int):
         return MessagesReplier(_chat_reply(parsed, model), messages.MessagesReply(model, n_prompt))

@@ -16,7 +16,7 @@ from ..openai_api.responses import ResponseStore
 from . import guards
 from .admission import Admission, check_model
 from .apis import Api, MessagesApi, ResponsesApi
-from .errors import HTTPError, busy_error, error_body, quote
+from .errors import HTTPError, error_body, model_loading, quote
 from .exchange import Exchange
 from .metrics import Metrics
 from .parsing import read_json
@@ -195,7 +195,7 @@ class ServerApp:
     async def _count_tokens(self, exchange: Exchange) -> None:
         """Anthropic's count_tokens: the prompt's tokens as the Messages route would run it."""
         if self.engine is None:
-            raise busy_error_loading()
+            raise model_loading()
         api = self._apis["messages"]
         body = await read_json(exchange, self.settings.max_body_bytes)
         try:
@@ -257,7 +257,3 @@ def _no_stored_response(response_id: str) -> HTTPError:
         param="response_id",
         code="response_not_found",
     )
-
-
-def busy_error_loading() -> HTTPError:
-    return busy_error("the model is loading", "model_loading")

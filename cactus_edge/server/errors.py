@@ -83,6 +83,10 @@ def busy_error(message: str, code: str) -> HTTPError:
     )
 
 
+def model_loading() -> HTTPError:
+    return busy_error("the model is loading", "model_loading")
+
+
 def from_library_error(error: BaseException, prompt_param: str) -> HTTPError:
     """The HTTP answer for a library exception: a request's parsing, the engine's checks
     (Engine.check_request) or a generation before its first event. The library's message is

@@ -24,14 +24,15 @@ def _blocks(event: StreamEvent, job: Job) -> dict:
 
 async def respond(
     exchange: Exchange, scheduler: Scheduler, job: Job, replier, stream: bool, api: Api, headers: list
-) -> bool:
+) -> None:
     """Send the job's answer through ``replier`` (:mod:`.apis`); withdraw it from the scheduler
-    unless it ended. Whether the answer was whole (the generation's final event was sent)."""
+    unless it ended."""
     watcher = asyncio.ensure_future(_watch_disconnect(exchange, scheduler, job))
     try:
         if stream:
-            return await _stream(exchange, job, replier, api, headers)
-        return await _complete(exchange, job, replier, api, headers)
+            await _stream(exchange, job, replier, api, headers)
+        else:
+            await _complete(exchange, job, replier, api, headers)
     finally:
         watcher.cancel()
         if not job.done:
@@ -64,28 +65,32 @@ async def _next_event(job: Job, api: Api) -> StreamEvent | None:
     if kind == "error":
         raise api.library_error(value)
     if kind == "end":
-        raise HTTPError(500, "the generation ended without a result", type="server_error", code="internal")
+        raise _no_result()
     return value
 
 
-async def _complete(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> bool:
+def _no_result() -> HTTPError:
+    return HTTPError(500, "the generation ended without a result", type="server_error", code="internal")
+
+
+async def _complete(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> None:
     while True:
         event = await _next_event(job, api)
         if event is None:
-            return False
+            return
         if event.finish_reason is not None:
             job.done = True
             await exchange.send_json(200, replier.complete(event, _blocks(event, job)), headers)
-            return True
+            return
         replier.add_quietly(event)
 
 
-async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> bool:
+async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list) -> None:
     # The status is sent with the first event: an error before it (a shutdown while queued, a
     # refused setting) still gets its own status and envelope.
     first = await _next_event(job, api)
     if first is None:
-        return False
+        return
     await exchange.start(
         200,
         [
@@ -96,29 +101,24 @@ async def _stream(exchange: Exchange, job: Job, replier, api: Api, headers: list
         ],
     )
     await _send(exchange, replier.opening(first))
-    kind, value, whole = "event", first, False
+    kind, value = "event", first
     while True:
         if kind == "disconnected":
-            return False
+            return
         if kind == "error":
             await _send(exchange, replier.failure(api.library_error(value)))
             break
         if kind == "end":  # the generation ended without a result: say so in the stream
-            error = HTTPError(
-                500, "the generation ended without a result", type="server_error", code="internal"
-            )
-            await _send(exchange, replier.failure(error))
+            await _send(exchange, replier.failure(_no_result()))
             break
         event: StreamEvent = value
         if event.finish_reason is not None:
             job.done = True
             await _send(exchange, replier.finish(event, _blocks(event, job)))
-            whole = True
             break
         await _send(exchange, replier.add(event))
         kind, value = await _next(job)
     await exchange.body(b"")
-    return whole
 
 
 async def _send(exchange: Exchange, frames: list[bytes]) -> None:
